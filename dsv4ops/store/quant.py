@@ -1,0 +1,80 @@
+"""Number formats of the compressed KV caches, as exact PyTorch functions.
+
+These define the bytes ``compress_norm_rope_store`` writes. All of them are
+exact (no rounding ambiguity): the Triton kernels reproduce them bit for bit
+with integer arithmetic, and ``tests/golden`` re-derives them from first principles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+SCALE_FLOOR = 1e-4  # amax floor before dividing by the format maximum (fp32 constant)
+#: E2M1 magnitude index = number of these thresholds strictly below |v| (ties go down)
+E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+HADAMARD_SCALE = float(torch.tensor(128.0**-0.5, dtype=torch.float32))
+
+
+def fp32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (as a Python float)."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def bf16_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 (round to nearest even) -> fp32."""
+    return x.to(torch.bfloat16).float()
+
+
+def bf16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``[..., k]`` fp32 -> ``[..., 2k]`` uint8 little-endian bf16 (RNE)."""
+    return x.to(torch.bfloat16).contiguous().view(torch.uint8)
+
+
+def fp32_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``[..., k]`` fp32 -> ``[..., 4k]`` uint8 little-endian."""
+    return x.float().contiguous().view(torch.uint8)
+
+
+def ue8m0_ceil(x: torch.Tensor) -> torch.Tensor:
+    """Biased exponent of the smallest power of two >= ``x`` (positive finite fp32), int32."""
+    bits = x.float().contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    return exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def pow2_from_biased(neg_exponent_field: torch.Tensor) -> torch.Tensor:
+    """fp32 ``2 ** (field - 127)`` from an int32 biased exponent field in [1, 254]."""
+    return (neg_exponent_field.to(torch.int32) << 23).view(torch.float32)
+
+
+def e4m3_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> OCP float8 e4m3fn codes, round to nearest even, finite overflow saturates to +-448."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """fp32 -> 4-bit e2m1 codes (int32 0..15) by threshold rounding, ties toward zero, no -0."""
+    mag = torch.clamp_max(v.abs(), E2M1_MAX)
+    index = torch.zeros_like(v, dtype=torch.int32)
+    for t in E2M1_THRESHOLDS:
+        index = index + (mag > t).to(torch.int32)
+    negative = (v < 0) & (index != 0)
+    return index | (negative.to(torch.int32) << 3)
+
+
+def hadamard128(y: torch.Tensor) -> torch.Tensor:
+    """Sylvester Walsh-Hadamard transform of ``[n, 128]`` fp32 rows, scaled by 128**-0.5.
+
+    Seven radix-2 butterfly stages from index bit 0 upward (lower index gets
+    ``u + v``, upper ``u - v``), each rounded to fp32, then one fp32 multiply.
+    """
+    n = y.shape[0]
+    for k in range(7):
+        stride = 1 << k
+        pairs = y.reshape(n, 128 // (2 * stride), 2, stride)
+        u, v = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        y = torch.stack([u + v, u - v], dim=2).reshape(n, 128)
+    return y * HADAMARD_SCALE
