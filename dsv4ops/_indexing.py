@@ -33,7 +33,10 @@ def masked_scatter_rows_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tens
     index = torch.cat([index, index.new_zeros(1)])
     mask = torch.cat([mask, mask.new_zeros(1)])
     src = torch.cat([src.to(dst.dtype), dst[:1]])
-    first = torch.argmax(mask.to(torch.int32)).view(1)  # a tensor: never read on the host
+    # First live row. The key has a unique maximum, so every evaluation of this argmax
+    # (a compiler may recompute it per consumer) picks the same row.
+    order = torch.arange(mask.shape[0], 0, -1, device=mask.device)
+    first = torch.argmax(torch.where(mask, order, torch.zeros_like(order))).view(1)
     any_live = mask.any()
     first_index = index.index_select(0, first)  # [1]
     fallback_index = torch.where(any_live, first_index, torch.zeros_like(first_index))

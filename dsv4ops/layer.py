@@ -141,3 +141,15 @@ class DeepSeekV4Compressor(nn.Module):
             use_fp4=self.use_fp4, bf16_store=self.bf16_store,
         )
         return pooled
+
+
+def mark_dynamic_tokens(*tensors: Optional[torch.Tensor]) -> None:
+    """Mark dim 0 (batch or token count) of each tensor as unbacked for ``torch.compile``.
+
+    Unbacked sizes are not specialized on 0 or 1, so one compiled graph serves every
+    batch size and token count (no recompiles). Call it on the step inputs before
+    the first compiled call; ``None`` entries are ignored.
+    """
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.decorators.mark_unbacked(t, 0)

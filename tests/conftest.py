@@ -3,6 +3,12 @@ import os
 import pytest
 import torch
 
+# Inductor's FX-graph and AOT caches key on the traced graph, not on the Python body of a
+# custom op that Inductor decomposes (torch.library.triton_op); a stale entry would run an
+# old version of an op under test. Compile from scratch in tests.
+torch._inductor.config.fx_graph_cache = False
+torch._functorch.config.enable_autograd_cache = False
+
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")

@@ -7,6 +7,8 @@ with integer arithmetic, and ``tests/golden`` re-derives them from first princip
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 E4M3_MAX = 448.0
@@ -15,17 +17,25 @@ SCALE_FLOOR = 1e-4  # amax floor before dividing by the format maximum (fp32 con
 #: E2M1 magnitude index = number of these thresholds strictly below |v| (ties go down)
 E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-HADAMARD_SCALE = float(torch.tensor(128.0**-0.5, dtype=torch.float32))
 
 
 def fp32(value: float) -> float:
     """``value`` rounded to the nearest float32 (as a Python float)."""
-    return float(torch.tensor(value, dtype=torch.float32))
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+HADAMARD_SCALE = fp32(128.0**-0.5)
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> bf16 (round to nearest even) -> fp32."""
-    return x.to(torch.bfloat16).float()
+    """fp32 -> bf16 (round to nearest even) -> fp32, for finite inputs.
+
+    Done on the bit pattern: Inductor folds ``x.to(bfloat16).float()`` into ``x``
+    unless precision-cast emulation is on, which would change the stored bytes.
+    """
+    bits = x.float().contiguous().view(torch.int32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # clear the low 16 bits
+    return rounded.view(torch.float32)
 
 
 def bf16_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -36,6 +46,22 @@ def bf16_bytes(x: torch.Tensor) -> torch.Tensor:
 def fp32_bytes(x: torch.Tensor) -> torch.Tensor:
     """``[..., k]`` fp32 -> ``[..., 4k]`` uint8 little-endian."""
     return x.float().contiguous().view(torch.uint8)
+
+
+def div_rn(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """fp32 ``x / divisor`` correctly rounded, robust to compilers.
+
+    The quotient is formed in fp64 and rounded once to fp32. For the divisors used
+    here (448, 6) a quotient of fp32 values is never within 2**-53 of an fp32
+    rounding midpoint, so this is the IEEE fp32 division, and it stays so when a
+    compiler rewrites the fp64 division as a multiplication by the reciprocal.
+    """
+    return (x.double() / divisor).float()
+
+
+def reciprocal_rn(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``1 / x`` correctly rounded (fp64 reciprocal rounded once; see ``div_rn``)."""
+    return (1.0 / x.double()).float()
 
 
 def ue8m0_ceil(x: torch.Tensor) -> torch.Tensor:

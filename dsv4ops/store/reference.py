@@ -48,17 +48,17 @@ def quantize_rows(y: torch.Tensor, fmt: CacheFormat):
     if fmt == CacheFormat.MAIN_FP8:
         nope = quant.bf16_round(y[:, :448]).reshape(n, 7, 64)
         amax = nope.abs().amax(dim=2)
-        exponent = quant.ue8m0_ceil(torch.clamp_min(amax, quant.SCALE_FLOOR) / quant.E4M3_MAX)  # [n, 7]
+        exponent = quant.ue8m0_ceil(quant.div_rn(torch.clamp_min(amax, quant.SCALE_FLOOR), quant.E4M3_MAX))  # [n, 7]
         codes = quant.e4m3_bytes(nope * quant.pow2_from_biased(254 - exponent)[:, :, None]).reshape(n, 448)
         payload = torch.cat([codes, quant.bf16_bytes(y[:, 448:])], dim=1)
         return payload, exponent.to(torch.uint8)
     h = quant.hadamard128(y)
     if fmt == CacheFormat.INDEXER_FP8:
-        scale = torch.clamp_min(h.abs().amax(dim=1), quant.SCALE_FLOOR) / quant.E4M3_MAX  # [n]
-        codes = quant.e4m3_bytes(h * torch.reciprocal(scale)[:, None])
+        scale = quant.div_rn(torch.clamp_min(h.abs().amax(dim=1), quant.SCALE_FLOOR), quant.E4M3_MAX)  # [n]
+        codes = quant.e4m3_bytes(h * quant.reciprocal_rn(scale)[:, None])
         return codes, quant.fp32_bytes(scale[:, None])
     groups = h.reshape(n, 4, 32)
-    exponent = quant.ue8m0_ceil(torch.clamp_min(groups.abs().amax(dim=2), quant.SCALE_FLOOR) / quant.E2M1_MAX)
+    exponent = quant.ue8m0_ceil(quant.div_rn(torch.clamp_min(groups.abs().amax(dim=2), quant.SCALE_FLOOR), quant.E2M1_MAX))
     codes = quant.e2m1_codes(groups * quant.pow2_from_biased(254 - exponent)[:, :, None]).reshape(n, 64, 2)
     packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).to(torch.uint8)
     return packed, exponent.to(torch.uint8)
