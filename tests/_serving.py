@@ -51,6 +51,7 @@ class ServingSim:
     device: str = "cpu"
     seed: int = 0
     input_dtype: torch.dtype = torch.float32
+    golden: bool = False  # replay every step through the golden loops and compare
     steps: List[StepRecord] = field(default_factory=list)
 
     def __post_init__(self):
@@ -111,24 +112,49 @@ class ServingSim:
         rid = torch.tensor([a for a, _ in batch.rows], dtype=torch.long)
         pos = torch.tensor([b for _, b in batch.rows], dtype=torch.long)
         rows = self.tokens[rid, pos] if len(batch.rows) else self.tokens.new_zeros((0, self.width))
+        padding = batch.num_q_tokens - len(batch.rows)  # padded prefill rows hold garbage
+        rows = torch.cat([rows, torch.randn(padding, self.width) * 1e3])
         return rows.to(self.input_dtype).to(self.device)
 
-    def step(self, requests: List[Tuple[int, int]], decode: bool) -> StepRecord:
+    def out_loc_for(self, batch) -> torch.Tensor:
+        loc = self.pools.out_loc([a for a, _ in batch.rows], [b for _, b in batch.rows], self.compress_ratio)
+        padding = batch.num_q_tokens - len(batch.rows)
+        return torch.cat([loc, torch.full((padding,), -1, dtype=loc.dtype, device=loc.device)])
+
+    def step(self, requests: List[Tuple[int, int]], decode: bool, pad: int = 0) -> StepRecord:
+        """One forward. ``pad`` adds CUDA-graph style padding: for prefill, ``pad`` ragged rows
+        past the last extend; for decode, ``pad`` rows of the reserved last request at seq_len 1."""
         r = self.compress_ratio
         batch = make_batch(requests, self.seq, decode=decode)
+        if pad and decode:
+            spare = self.max_requests - 1
+            assert all(rid != spare for rid, _ in requests), "the last request id is reserved for padding"
+            batch.req_pool_indices = torch.cat([batch.req_pool_indices, torch.full((pad,), spare)])
+            batch.seq_lens = torch.cat([batch.seq_lens, torch.ones(pad, dtype=torch.int64)])
+            batch.rows = batch.rows + [(spare, 0)] * pad
+            batch.num_q_tokens += pad
+        elif pad:
+            batch.num_q_tokens += pad
         plan = self.plan_for(batch)
         x = self.inputs_for(batch)
+        state_before = self.state.cpu().clone() if self.golden else None
+        cache_before = self.cache.cpu().clone() if self.golden else None
         out = dsv4ops.compress_forward(self.state, x, self.ape, plan, head_dim=self.head_dim, compress_ratio=r)
-        out_loc = self.pools.out_loc([a for a, _ in batch.rows], [b for _, b in batch.rows], r)
+        if self.golden:
+            self._check_plan(batch, plan)
+            self._check_compress(plan, x, out, state_before)
+        out_loc = self.out_loc_for(batch)
         if self.stores:
             dsv4ops.compress_norm_rope_store(
                 out, plan, norm_weight=self.norm_weight, norm_eps=1e-6, freq_cis=self.freqs, out_loc=out_loc,
                 kvcache=self.cache, page_size=self.layout.page_size, use_fp4=self.use_fp4,
                 bf16_store=self.bf16_store,
             )
+        if self.golden and self.stores:
+            self._check_store(plan, out, out_loc, cache_before)
         emitted = []
         if decode:
-            for b, (rid, pos) in enumerate(batch.rows):
+            for b, (rid, pos) in enumerate(batch.rows[: len(requests)]):
                 if (pos + 1) % r == 0:
                     emitted.append((rid, (pos + 1) // r - 1, b))
         else:
@@ -145,18 +171,79 @@ class ServingSim:
         return rec
 
 
+    # ------------------------------------------------------------- golden replay
+    def _check_plan(self, batch, plan) -> None:
+        from golden.planner_loop import plan_decode_loop, plan_prefill_loop
+
+        name, p = ADDRESSING_NAME[self.addressing], self.pools
+        r2t, f2s = (p.req_to_token.cpu(), p.full_to_state.cpu()) if name != "legacy" else (None, None)
+        common = (self.compress_ratio, self.swa_page_size, self.ring_size, name)
+        if batch.is_decode:
+            want = plan_decode_loop(batch.req_pool_indices, batch.seq_lens, r2t, f2s, *common)
+            assert torch.equal(plan.plan_d.cpu(), want), "decode plan differs from the golden planner"
+        else:
+            want_c, want_w = plan_prefill_loop(
+                batch.req_pool_indices, batch.seq_lens, batch.extend_lens, r2t, f2s, batch.num_q_tokens, *common
+            )
+            assert torch.equal(plan.plan_c.cpu(), want_c), "CompressPlan differs from the golden planner"
+            assert torch.equal(plan.plan_w.cpu(), want_w), "WritePlan differs from the golden planner"
+
+    def _check_compress(self, plan, x, out, state_before) -> None:
+        from golden.compress_loop import compress_decode_loop, compress_prefill_loop
+
+        from _asserts import assert_same_bits
+
+        args = (x.cpu(), self.ape.cpu())
+        if plan.is_decode:
+            want = compress_decode_loop(state_before, *args, plan.plan_d.cpu(), self.head_dim, self.compress_ratio)
+        else:
+            want = compress_prefill_loop(
+                state_before, *args, plan.plan_c.cpu(), plan.plan_w.cpu(), self.head_dim, self.compress_ratio
+            )
+        assert_same_bits(self.state.cpu(), state_before, "state after the step")
+        tol = 2e-5 if out.dtype == torch.float32 else 8e-3  # out has the input dtype by default
+        torch.testing.assert_close(out.cpu().double(), want, rtol=tol, atol=tol)
+
+    def _check_store(self, plan, out, out_loc, cache_before) -> None:
+        from golden.store_loop import store_loop
+
+        store_loop(
+            out.cpu(), plan[1].cpu(), self.norm_weight.cpu(), 1e-6, self.freqs.cpu(), out_loc.cpu(), cache_before,
+            plan.is_decode, self.compress_ratio, self.layout.page_size, self.use_fp4, self.bf16_store,
+        )
+        bad = (self.cache.cpu() != cache_before).nonzero()
+        assert bad.numel() == 0, f"{bad.shape[0]} cache bytes differ from the golden store, first {bad[:4].tolist()}"
+
+    def check_truth(self, rtol: float = 2e-5, atol: float = 2e-5) -> int:
+        """Every emitted compressed token against the model-level formula; returns how many."""
+        from golden.compress_loop import compressed_token_truth
+
+        count = 0
+        for rec in self.steps:
+            for rid, n, row in rec.emitted:
+                seq_end = self.compress_ratio * (n + 1)
+                want = compressed_token_truth(
+                    self.tokens[rid, :seq_end].double(), self.ape.cpu().double(), n, self.compress_ratio, self.head_dim
+                )
+                torch.testing.assert_close(rec.out[row].cpu().double(), want, rtol=rtol, atol=atol)
+                count += 1
+        return count
+
+
 def random_trace(sim: ServingSim, rng: random.Random, num_steps: int, *, share_prefixes: bool = True):
     """Drive ``sim`` through a random mix of chunked prefills (unaligned splits), decodes,
     mixed extend batches (some requests extending by one token) and prefix-cache hits."""
     r = sim.compress_ratio
     limit = sim.pools.max_seq_len
+    ids = range(sim.max_requests - 1)  # the last request id is reserved for decode padding
     for _ in range(num_steps):
-        live = [rid for rid in range(sim.max_requests) if sim.seq.get(rid, 0) < limit - 1]
+        pad = rng.choice([0, 0, rng.randint(1, 5)])
+        live = [rid for rid in ids if sim.seq.get(rid, 0) < limit - 1]
         if not live:
             break
         if share_prefixes and rng.random() < 0.15:
-            fresh = [rid for rid in range(sim.max_requests) if sim.seq.get(rid, 0) == 0]
-            donors = [rid for rid in range(sim.max_requests) if sim.seq.get(rid, 0) >= sim.full_page_size]
+            fresh = [rid for rid in ids if sim.seq.get(rid, 0) == 0]
+            donors = [rid for rid in ids if sim.seq.get(rid, 0) >= sim.full_page_size]
             if fresh and donors:
                 src = rng.choice(donors)
                 pages = rng.randint(1, sim.seq[src] // sim.full_page_size)
@@ -165,11 +252,11 @@ def random_trace(sim: ServingSim, rng: random.Random, num_steps: int, *, share_p
         chosen = rng.sample(live, rng.randint(1, min(len(live), 4)))
         started = [rid for rid in chosen if sim.seq.get(rid, 0) > 0]
         if started and rng.random() < 0.4:
-            sim.step([(rid, 1) for rid in started], decode=True)
+            sim.step([(rid, 1) for rid in started], decode=True, pad=pad)
             continue
         reqs = []
         for rid in chosen:
             room = limit - sim.seq.get(rid, 0)
             n = 1 if rng.random() < 0.25 else rng.randint(1, min(room, 3 * r + 5))
             reqs.append((rid, min(n, room)))
-        sim.step(reqs, decode=False)
+        sim.step(reqs, decode=False, pad=pad)

@@ -38,6 +38,8 @@ def state_rows(
             row = rid * compress_ratio + torch.remainder(pos, compress_ratio)
     elif addressing == Addressing.REQUEST:
         row = rid * ring_size + torch.remainder(pos, ring_size)
+        if req_to_token is not None:  # bounds the request id and the position when the table is given
+            ok = ok & (rid < req_to_token.shape[0]) & (pos < req_to_token.shape[1])
     else:
         num_reqs, max_len = req_to_token.shape
         ok = ok & (rid < num_reqs) & (pos < max_len)
