@@ -197,6 +197,8 @@ def compress_forward(
     """
     _check_plan("compress_forward", plan, compress_ratio)
     if is_online:
+        if compress_ratio != 128 or head_dim != 512:
+            _checks.fail("compress_forward", f"`is_online=True` needs compress_ratio=128 and head_dim=512, got {compress_ratio} and {head_dim}")
         from .online import compress_forward_online
 
         return compress_forward_online(kv_score_buffer, kv_score_input, ape, plan, head_dim=head_dim, out=out)
