@@ -124,14 +124,18 @@ class DeepSeekV4Compressor(nn.Module):
         req_to_token: torch.Tensor,
         full_to_state: torch.Tensor,
         out_loc: torch.Tensor,
+        plan=None,
     ) -> torch.Tensor:
         """One forward step. ``extend_lens is None`` means decode (one token per request).
 
         ``hidden_states`` ``[num_q_tokens, hidden]``; ``out_loc`` ``[num_q_tokens]`` cache slot
-        of every token that completes a chunk. Returns the pooled rows (before norm) ``[rows, head_dim]``.
+        of every token that completes a chunk. ``plan`` may be passed in when several
+        compressors of the same ratio share it (sglang plans once per ratio per forward).
+        Returns the pooled rows (before norm) ``[rows, head_dim]``.
         """
         kv_score = self.wkv_gate(hidden_states.float())
-        plan = self.plan(req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, hidden_states.shape[0])
+        if plan is None:
+            plan = self.plan(req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, hidden_states.shape[0])
         pooled = compress_forward(
             self.state, kv_score, self.ape, plan, head_dim=self.head_dim, compress_ratio=self.compress_ratio
         )
