@@ -122,6 +122,7 @@ def check_plan_inputs(
     if extend_lens is not None:
         check_tensor(op, "extend_lens", extend_lens, dtypes=INDEX_DTYPES, ndim=1, device=dev)
         check(extend_lens.shape[0] == bs, op, lambda: f"`extend_lens` has {extend_lens.shape[0]} entries but `req_pool_indices` has {bs}")
+        check(bs <= MAX_Q_TOKENS, op, lambda: f"a prefill batch holds at most {MAX_Q_TOKENS} requests (batch ids are 16-bit), got {bs}")
     if addressing == Addressing.SWA_PAGED:
         if req_to_token is None or full_to_state is None:
             fail(op, "SWA-paged addressing needs `req_to_token` and `full_to_state`")

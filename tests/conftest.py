@@ -1,7 +1,13 @@
 import os
 
-import pytest
 import torch
+
+# Without a GPU, the Triton kernels are tested under the Triton interpreter on CPU tensors.
+# The variable must be set before dsv4ops (and its @triton.jit kernels) is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 # Inductor's FX-graph and AOT caches key on the traced graph, not on the Python body of a
 # custom op that Inductor decomposes (torch.library.triton_op); a stale entry would run an

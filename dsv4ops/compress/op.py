@@ -13,6 +13,7 @@ import torch
 from torch.library import triton_op
 
 from .. import _checks
+from .._triton import use_triton
 from . import kernels
 from .reference import compress_decode_reference, compress_prefill_reference
 
@@ -41,7 +42,7 @@ def compress_forward(
     ``[n_w, 8]``; ``out[k]`` belongs to ``plan[k]``. Rows that produce no compressed token are zero.
     """
     _validate(kv_score_buffer, kv_score_input, ape, plan, write_plan, out, head_dim, compress_ratio)
-    if kernels.use_triton(kv_score_input):
+    if use_triton(kv_score_input):
         kernels.compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out, head_dim, compress_ratio)
     elif write_plan is None:
         compress_decode_reference(kv_score_buffer, kv_score_input, ape, plan, out, head_dim, compress_ratio)

@@ -13,6 +13,7 @@ import torch
 from torch.library import triton_op
 
 from .. import _checks
+from .._triton import use_triton
 from . import kernels
 from .reference import plan_decode_reference, plan_prefill_reference
 
@@ -34,7 +35,7 @@ def plan_decode(
         compress_ratio, swa_page_size, ring_size, addressing,
     )
     args = (req_pool_indices, req_to_token, full_to_state, seq_lens, compress_ratio, swa_page_size, ring_size, addressing)
-    if kernels.use_triton(req_pool_indices):
+    if use_triton(req_pool_indices):
         return kernels.plan_decode(*args)
     return plan_decode_reference(*args)
 
@@ -71,7 +72,7 @@ def plan_prefill(
         req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, num_q_tokens,
         compress_ratio, swa_page_size, ring_size, addressing,
     )
-    if kernels.use_triton(req_pool_indices):
+    if use_triton(req_pool_indices):
         return kernels.plan_prefill(*args)
     return plan_prefill_reference(*args)
 

@@ -7,6 +7,7 @@ from torch.library import triton_op
 
 from .. import _checks
 from .._layout import CacheLayout, cache_format
+from .._triton import use_triton
 from . import kernels
 from .reference import norm_rope_store_reference
 
@@ -48,7 +49,7 @@ def compress_norm_rope_store(
     """
     args = (kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is_decode, compress_ratio, page_size, use_fp4, bf16_store)
     _validate(*args)
-    if kernels.use_triton(kv):
+    if use_triton(kv):
         kernels.norm_rope_store(*args)
     else:
         norm_rope_store_reference(*args)
