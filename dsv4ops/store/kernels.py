@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .._layout import ROPE_DIM, CacheFormat, CacheLayout, cache_format
+from .._layout import CacheFormat, CacheLayout, cache_format
 from .quant import fp32
 from .._triton import HAVE_TRITON, cdiv, launch
 
@@ -57,16 +57,23 @@ if HAVE_TRITON:
         return idx | (((v < 0) & (idx != 0)).to(tl.int32) << 3)
 
     @triton.jit
+    def _butterfly(y, BLOCK_M: tl.constexpr, STRIDE: tl.constexpr):
+        """One radix-2 stage over index bit log2(STRIDE): lower index gets u + v, upper u - v."""
+        t = tl.permute(tl.reshape(y, [BLOCK_M, 64 // STRIDE, 2, STRIDE]), [0, 1, 3, 2])
+        u, v = tl.split(t)
+        t = tl.permute(tl.join(u + v, u - v), [0, 1, 3, 2])
+        return tl.reshape(t, [BLOCK_M, 128])
+
+    @triton.jit
     def _hadamard128(y, BLOCK_M: tl.constexpr):
-        """Walsh-Hadamard butterflies over the last axis of ``[BLOCK_M, 128]``, bit 0 first."""
-        for k in tl.static_range(7):
-            stride: tl.constexpr = 1 << k
-            t = tl.reshape(y, [BLOCK_M, 64 // stride, 2, stride])
-            t = tl.permute(t, [0, 1, 3, 2])
-            u, v = tl.split(t)
-            t = tl.join(u + v, u - v)
-            t = tl.permute(t, [0, 1, 3, 2])
-            y = tl.reshape(t, [BLOCK_M, 128])
+        """Walsh-Hadamard transform of ``[BLOCK_M, 128]`` rows, bit 0 first, then * fp32(128 ** -0.5)."""
+        y = _butterfly(y, BLOCK_M, 1)
+        y = _butterfly(y, BLOCK_M, 2)
+        y = _butterfly(y, BLOCK_M, 4)
+        y = _butterfly(y, BLOCK_M, 8)
+        y = _butterfly(y, BLOCK_M, 16)
+        y = _butterfly(y, BLOCK_M, 32)
+        y = _butterfly(y, BLOCK_M, 64)
         return y * 0.08838834764831845  # fp32(128 ** -0.5), exact in fp32 as written
 
     # ------------------------------------------------------------------ the fused kernel
@@ -111,9 +118,9 @@ if HAVE_TRITON:
 
         # --- RoPE on the last 64 elements, interleaved pairs, each value rounded once ----
         a, b = tl.split(tl.reshape(y, [BLOCK_M, HALF, 2]))
-        pair = tl.arange(0, HALF) - (D - ROPE_DIM) // 2
+        pair = tl.arange(0, HALF) - (D - 64) // 2  # rotated pairs: the last 64 elements
         rotated = live[:, None] & (pair >= 0)[None, :]
-        f_at = freqs_ptr + pos[:, None] * ROPE_DIM + 2 * pair[None, :]
+        f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
         cos = tl.load(f_at, mask=rotated, other=0.0).to(tl.float64)
         sin = tl.load(f_at + 1, mask=rotated, other=0.0).to(tl.float64)
         a64 = a.to(tl.float64)
