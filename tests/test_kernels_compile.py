@@ -54,9 +54,9 @@ STORE_VARIANTS = [(0, 512, 4), (1, 512, 4), (2, 128, 8), (3, 128, 8)]
 def test_variant_store_kernel(fmt, head_dim, block_m, is_decode):
     ck, pk, sk = _kernels()
     types = dict(kv_ptr="*fp32", plan_ptr="*i32", weight_ptr="*fp32", freqs_ptr="*fp32", out_loc_ptr="*i64",
-                 cache_ptr="*u8", num_rows="i32", num_locs="i32", num_freq_rows="i32", num_pages="i32", eps="fp32")
-    consts = dict(HEAD_DIM=head_dim, FORMAT=fmt, IS_DECODE=is_decode, RATIO=4, LOG2_PAGE=6, PAGE_BYTES=37440,
-                  SLOT_BYTES=576, SCALE_BASE=36864, SCALE_STRIDE=8, BLOCK_M=block_m)
+                 cache_ptr="*u8", num_rows="i32", num_locs="i32", num_freq_rows="i32", num_pages="i32", eps="fp32",
+                 log2_page="i32", page_bytes="i32")
+    consts = dict(HEAD_DIM=head_dim, FORMAT=fmt, IS_DECODE=is_decode, RATIO=4, BLOCK_M=block_m)
     _compile(sk._norm_rope_store_kernel, types, consts)
 
 
@@ -78,8 +78,9 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out):
 @pytest.mark.parametrize("ratio,addressing", [(4, 0), (4, 2), (128, 0), (128, 1), (128, 2)])
 def test_variant_planner_kernels(ratio, addressing):
     ck, pk, sk = _kernels()
-    lookup = dict(r2t_ptr="*i32", r2t_stride="i32", num_reqs="i32", max_len="i32", f2s_ptr="*i64", num_full="i32")
-    meta = dict(RATIO=ratio, SPS=128, RING=8 if ratio == 4 else 128, ADDRESSING=addressing, HAS_TABLE=addressing != 2)
+    lookup = dict(r2t_ptr="*i32", r2t_stride="i32", num_reqs="i32", max_len="i32", f2s_ptr="*i64", num_full="i32",
+                  sps="i32", ring="i32")
+    meta = dict(RATIO=ratio, ADDRESSING=addressing, HAS_TABLE=addressing != 2)
     _compile(pk._plan_decode_kernel, dict(lookup, rpi_ptr="*i64", seq_ptr="*i64", plan_ptr="*i32", bs="i32"),
              dict(meta, BLOCK=128))
     rows = dict(lookup, num_q_tokens="i32", ends_ptr="*i64", bs="i32", rpi_ptr="*i64", seq_ptr="*i64", ext_ptr="*i64")

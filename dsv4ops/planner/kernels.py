@@ -25,7 +25,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _state_row(rid, pos, ok, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
-                   RATIO: tl.constexpr, SPS: tl.constexpr, RING: tl.constexpr, ADDRESSING: tl.constexpr,
+                   sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
                    HAS_TABLE: tl.constexpr):
         """State row of (rid, pos) (int64), -1 where ``ok`` is off or a lookup is out of range."""
         ok = ok & (rid >= 0) & (pos >= 0)
@@ -35,7 +35,7 @@ if HAVE_TRITON:
             else:
                 row = rid * RATIO + pos % RATIO
         elif ADDRESSING == 1:  # request-scoped ring
-            row = rid * RING + pos % RING
+            row = rid * ring + pos % ring
             if HAS_TABLE:
                 ok = ok & (rid < num_reqs) & (pos < max_len)
         else:  # SWA-paged
@@ -44,7 +44,7 @@ if HAVE_TRITON:
             ok = ok & (token >= 0) & (token < num_full)
             swa = tl.load(f2s_ptr + token, mask=ok, other=0).to(tl.int64)
             ok = ok & (swa >= 0)
-            row = (swa // SPS) * RING + swa % RING
+            row = (swa // sps) * ring + swa % ring
         return tl.where(ok, row, -1)
 
     @triton.jit
@@ -53,8 +53,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _plan_decode_kernel(
-        rpi_ptr, seq_ptr, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, plan_ptr, bs,
-        RATIO: tl.constexpr, SPS: tl.constexpr, RING: tl.constexpr, ADDRESSING: tl.constexpr,
+        rpi_ptr, seq_ptr, plan_ptr, bs, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
+        sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
         HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -62,7 +62,7 @@ if HAVE_TRITON:
         rid = tl.load(rpi_ptr + b, mask=in_batch, other=0).to(tl.int64)
         seq = tl.load(seq_ptr + b, mask=in_batch, other=0).to(tl.int64)
         live = in_batch & (seq >= 1)
-        lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, RATIO, SPS, RING, ADDRESSING, HAS_TABLE)
+        lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE)
         write_loc = _state_row(rid, seq - 1, live, *lookup)
         page0 = _page(_state_row(rid, tl.maximum(seq - 1 - RATIO, 0), live, *lookup), RATIO)
         out = plan_ptr + b * 4
@@ -75,7 +75,7 @@ if HAVE_TRITON:
     def _classify_rows(
         block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr,
         r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
-        RATIO: tl.constexpr, SPS: tl.constexpr, RING: tl.constexpr, ADDRESSING: tl.constexpr,
+        sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
         HAS_TABLE: tl.constexpr, LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """Per ragged row of one block: event/write flags and the words of their plan rows."""
@@ -101,7 +101,7 @@ if HAVE_TRITON:
         ok = in_batch & (ext >= 0) & (ext <= seq)
         j = i - (end - ext)
         pos = seq - ext + j
-        lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, RATIO, SPS, RING, ADDRESSING, HAS_TABLE)
+        lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE)
 
         is_event = ok & ((pos + 1) % RATIO == 0)
         buffer_len = W - tl.minimum(j + 1, W)
@@ -113,11 +113,11 @@ if HAVE_TRITON:
             first_write = last_complete - (4 if RATIO == 4 else 0)
             keep = pos >= first_write
         else:
-            spec_pad: tl.constexpr = min(RING - RATIO, 4)
+            spec_pad = tl.minimum(ring - RATIO, 4)
             first_write = tl.minimum(last_complete - (4 if RATIO == 4 else 0), seq - spec_pad)
             keep = pos >= first_write
             if RATIO == 4 and ADDRESSING == 0:
-                keep = keep | (pos % SPS >= SPS - 4)
+                keep = keep | (pos % sps >= sps - 4)
         is_write = ok & keep
         return i, in_rows, is_event, is_write, pos, buffer_len, page0, _page(row, RATIO), row
 
@@ -125,13 +125,13 @@ if HAVE_TRITON:
     def _count_rows_kernel(
         counts_ptr, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr,
         r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
-        RATIO: tl.constexpr, SPS: tl.constexpr, RING: tl.constexpr, ADDRESSING: tl.constexpr,
+        sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
         HAS_TABLE: tl.constexpr, LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr,
     ):
         block = tl.program_id(0)
         _, _, is_event, is_write, _, _, _, _, _ = _classify_rows(
             block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, r2t_ptr, r2t_stride, num_reqs, max_len,
-            f2s_ptr, num_full, RATIO, SPS, RING, ADDRESSING, HAS_TABLE, LOG2_MAX_BS, BLOCK)
+            f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE, LOG2_MAX_BS, BLOCK)
         tl.store(counts_ptr + block * 2, tl.sum(is_event.to(tl.int32), axis=0))
         tl.store(counts_ptr + block * 2 + 1, tl.sum(is_write.to(tl.int32), axis=0))
 
@@ -139,13 +139,13 @@ if HAVE_TRITON:
     def _emit_rows_kernel(
         plan_c_ptr, plan_w_ptr, counts_ptr, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr,
         r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
-        RATIO: tl.constexpr, SPS: tl.constexpr, RING: tl.constexpr, ADDRESSING: tl.constexpr,
+        sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
         HAS_TABLE: tl.constexpr, LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr, MAX_BLOCKS: tl.constexpr,
     ):
         block = tl.program_id(0)
         i, in_rows, is_event, is_write, pos, buffer_len, page0, page1, row = _classify_rows(
             block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, r2t_ptr, r2t_stride, num_reqs, max_len,
-            f2s_ptr, num_full, RATIO, SPS, RING, ADDRESSING, HAS_TABLE, LOG2_MAX_BS, BLOCK)
+            f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE, LOG2_MAX_BS, BLOCK)
         # where this block's rows start, and how many valid rows there are in total
         blocks = tl.arange(0, MAX_BLOCKS)
         num_blocks = tl.cdiv(num_q_tokens, BLOCK)
@@ -184,9 +184,9 @@ def _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, rin
     has_table = req_to_token is not None
     r2t = req_to_token if has_table else torch.empty(1, 1, dtype=torch.int32)
     f2s = full_to_state if full_to_state is not None else torch.empty(1, dtype=torch.int64)
-    tensors = (r2t, r2t.stride(0), r2t.shape[0], r2t.shape[1], f2s, f2s.shape[0])
-    meta = dict(RATIO=compress_ratio, SPS=max(swa_page_size, 1), RING=max(ring_size, 1), ADDRESSING=int(addressing),
-                HAS_TABLE=has_table)
+    tensors = (r2t, r2t.stride(0), r2t.shape[0], r2t.shape[1], f2s, f2s.shape[0], max(swa_page_size, 1),
+               max(ring_size, 1))
+    meta = dict(RATIO=compress_ratio, ADDRESSING=int(addressing), HAS_TABLE=has_table)
     return tensors, meta
 
 
@@ -198,7 +198,7 @@ def plan_decode(req_pool_indices, req_to_token, full_to_state, seq_lens, compres
     tensors = tuple(t.to(req_pool_indices.device) if isinstance(t, torch.Tensor) else t for t in tensors)
     block = 128
     launch(_plan_decode_kernel)[(cdiv(bs, block),)](
-        req_pool_indices, seq_lens, *tensors, plan, bs, BLOCK=block, **meta, num_warps=4,
+        req_pool_indices, seq_lens, plan, bs, *tensors, BLOCK=block, **meta, num_warps=4,
     )
     return plan.view(torch.uint8)
 

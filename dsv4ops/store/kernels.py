@@ -20,8 +20,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .._triton_formats import bf16_bits as _bf16_bits
-    from .._triton_formats import bf16_round as _bf16_round
+    # imported under their own names: Inductor re-emits a user kernel's helpers by name
+    from .._triton_formats import bf16_bits, bf16_round
 
     # ------------------------------------------------------------------ number formats
     @triton.jit
@@ -80,13 +80,15 @@ if HAVE_TRITON:
     @triton.jit
     def _norm_rope_store_kernel(
         kv_ptr, plan_ptr, weight_ptr, freqs_ptr, out_loc_ptr, cache_ptr,
-        num_rows, num_locs, num_freq_rows, num_pages, eps,
+        num_rows, num_locs, num_freq_rows, num_pages, eps, log2_page, page_bytes,
         HEAD_DIM: tl.constexpr, FORMAT: tl.constexpr, IS_DECODE: tl.constexpr, RATIO: tl.constexpr,
-        LOG2_PAGE: tl.constexpr, PAGE_BYTES: tl.constexpr, SLOT_BYTES: tl.constexpr,
-        SCALE_BASE: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_M: tl.constexpr,
     ):
         D: tl.constexpr = HEAD_DIM
         HALF: tl.constexpr = HEAD_DIM // 2
+        # bytes per token payload and per scale record, by format (see _layout.CacheLayout)
+        SLOT_BYTES: tl.constexpr = 576 if FORMAT == 0 else (1024 if FORMAT == 1 else (128 if FORMAT == 2 else 64))
+        SCALE_STRIDE: tl.constexpr = 8 if FORMAT == 0 else (0 if FORMAT == 1 else 4)
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         in_rows = rows < num_rows
 
@@ -102,10 +104,10 @@ if HAVE_TRITON:
         live = live & (loc_index < num_locs)
         loc = tl.load(out_loc_ptr + loc_index, mask=live, other=-1).to(tl.int64)
         pos = seq_len - RATIO
-        page = loc >> LOG2_PAGE
-        slot = loc & ((1 << LOG2_PAGE) - 1)
+        page = loc >> log2_page
+        slot = loc & ((1 << log2_page) - 1)
         live = live & (loc >= 0) & (page < num_pages) & (pos < num_freq_rows)
-        base = page * PAGE_BYTES  # int64: caches can exceed 2 GiB
+        base = page * page_bytes  # int64: caches can exceed 2 GiB
 
         # --- RMSNorm: fp64 sum of squares, rstd rounded once to fp32 -------------------
         cols = tl.arange(0, D)
@@ -130,10 +132,10 @@ if HAVE_TRITON:
         y = tl.reshape(tl.join(a, b), [BLOCK_M, D])
 
         slot_at = base + slot * SLOT_BYTES  # [BLOCK_M]
-        scale_at = base + SCALE_BASE + slot * SCALE_STRIDE
+        scale_at = base + (SLOT_BYTES << log2_page) + slot * SCALE_STRIDE
         if FORMAT == 0:  # main FP8 pack: groups 0..6 e4m3 with ue8m0 scales, group 7 (rope) bf16
             g = tl.reshape(y, [BLOCK_M, 8, 64])
-            z = _bf16_round(g)
+            z = bf16_round(g)
             amax = tl.max(tl.abs(z), axis=2)  # [BLOCK_M, 8]
             exponent = _ue8m0_ceil((tl.maximum(amax, 1e-4).to(tl.float64) / 448.0).to(tl.float32))
             codes = _e4m3_code(z * _pow2_neg(exponent)[:, :, None])
@@ -144,12 +146,12 @@ if HAVE_TRITON:
             tl.store(cache_ptr + byte_at, codes.to(tl.uint8), mask=nope)
             rope_at = (cache_ptr + slot_at[:, None, None] + 448 + 2 * within[None, None, :]).to(tl.pointer_type(tl.int16))
             rope = live[:, None, None] & (group == 7)[None, :, None]
-            tl.store(rope_at + 0 * group[None, :, None], _bf16_bits(g).to(tl.int16), mask=rope)
+            tl.store(rope_at + 0 * group[None, :, None], bf16_bits(g).to(tl.int16), mask=rope)
             tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8),
                      mask=live[:, None] & (group < 7)[None, :])
         elif FORMAT == 1:  # main bf16
             at = (cache_ptr + slot_at[:, None] + 2 * cols[None, :]).to(tl.pointer_type(tl.int16))
-            tl.store(at, _bf16_bits(y).to(tl.int16), mask=live[:, None])
+            tl.store(at, bf16_bits(y).to(tl.int16), mask=live[:, None])
         elif FORMAT == 2:  # indexer FP8: Hadamard, one fp32 scale per row
             h = _hadamard128(y, BLOCK_M)
             amax = tl.max(tl.abs(h), axis=1)
@@ -184,8 +186,8 @@ def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is
     launch(_norm_rope_store_kernel)[(cdiv(kv.shape[0], block_m),)](
         kv, plan.view(torch.int32), norm_weight, freqs, out_loc, kvcache,
         kv.shape[0], out_loc.shape[0], freqs.shape[0], kvcache.numel() // layout.page_bytes, fp32(norm_eps),
+        page_size.bit_length() - 1, layout.page_bytes,
         HEAD_DIM=head_dim, FORMAT=int(layout.format), IS_DECODE=bool(is_decode), RATIO=int(compress_ratio),
-        LOG2_PAGE=page_size.bit_length() - 1, PAGE_BYTES=layout.page_bytes, SLOT_BYTES=layout.slot_bytes,
-        SCALE_BASE=layout.scale_base, SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m,
+        BLOCK_M=block_m,
         num_warps=4,
     )

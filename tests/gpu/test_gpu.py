@@ -122,7 +122,7 @@ def test_compiled_layer_writes_buffers_in_place():
     pools = PagedPools(max_requests=64, max_seq_len=16384, swa_page_size=128, full_page_size=256, device="cuda")
     layer = _layer(r, D, pools, 16384)
     cache_bytes = layer.kvcache.numel()
-    assert cache_bytes > 1 << 30  # a cache of > 1 GiB makes any copy obvious
+    assert cache_bytes > 1 << 28  # a cache of > 256 MiB makes any copy obvious
     compiled = torch.compile(layer, fullgraph=True)
     gen = torch.Generator().manual_seed(0)
     batch = make_batch([(i, 1) for i in range(32)], {i: 4095 for i in range(32)}, decode=True)
