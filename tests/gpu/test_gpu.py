@@ -122,7 +122,7 @@ def test_compiled_layer_writes_buffers_in_place():
     pools = PagedPools(max_requests=64, max_seq_len=16384, swa_page_size=128, full_page_size=256, device="cuda")
     layer = _layer(r, D, pools, 16384)
     cache_bytes = layer.kvcache.numel()
-    assert cache_bytes > 1 << 28  # a cache of > 256 MiB makes any copy obvious
+    assert cache_bytes > 1 << 27  # a cache of > 128 MiB makes any copy obvious
     compiled = torch.compile(layer, fullgraph=True)
     gen = torch.Generator().manual_seed(0)
     batch = make_batch([(i, 1) for i in range(32)], {i: 4095 for i in range(32)}, decode=True)
@@ -194,8 +194,8 @@ def test_aot_inductor_package_runs_in_a_fresh_process(tmp_path):
         for i in range(size):
             seq[i] += 1
     torch.save(data, tmp_path / "steps.pt")
-    result = subprocess.run([sys.executable, "-c", AOTI_RUNNER, package, str(tmp_path / "steps.pt")],
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", AOTI_RUNNER, package, str(tmp_path / "steps.pt")],
                             capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, (result.returncode, result.stdout[-2000:], result.stderr[-6000:])
     errs = json.loads(result.stdout.strip().splitlines()[-1])
     assert max(errs) < 1e-5, errs
