@@ -194,6 +194,12 @@ def test_aot_inductor_package_runs_in_a_fresh_process(tmp_path):
         for i in range(size):
             seq[i] += 1
     torch.save(data, tmp_path / "steps.pt")
+    # in this process first (isolates packaging problems from process-start problems)
+    runner = torch._inductor.aoti_load_package(package)
+    got = runner(*[a.cuda() for a in data["args"][0]])
+    got = got[0] if isinstance(got, (list, tuple)) else got
+    torch.testing.assert_close(got.cpu(), data["want"][0], rtol=1e-5, atol=1e-5)
+    del runner
     result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", AOTI_RUNNER, package, str(tmp_path / "steps.pt")],
                             capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert result.returncode == 0, (result.returncode, result.stdout[-2000:], result.stderr[-6000:])
