@@ -133,11 +133,29 @@ def store_bytes(n_live, n_rows, D, layout):
     return n_rows * (D * 4 + 16 + 8) + n_live * (per_token + 256) + D * 4
 
 
+def sweep_prefill_tiles():
+    """Kernel-only timings of the prefill pooling tile choices (16K tokens, 32 requests)."""
+    candidates = {4: [(4, 8, 128, 4), (8, 8, 64, 4), (16, 8, 64, 4), (32, 8, 32, 4), (16, 8, 128, 8)],
+                  128: [(1, 32, 128, 4), (1, 16, 64, 4), (1, 64, 64, 8), (2, 32, 64, 4), (1, 128, 32, 8)]}
+    default = dict(ck.PREFILL_POOL_TILE)
+    for config in CONFIGS:
+        s = prefill_setup(config, 16384, 32, 0)
+        r, D = s["r"], s["D"]
+        out = torch.empty(s["plan_c"].shape[0], D, device=DEV)
+        nbytes = compress_prefill_bytes(s)
+        for tile in candidates[r]:
+            ck.PREFILL_POOL_TILE[r] = tile
+            us = bench(lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r))
+            print(f"sweep {config:11s} tile (events, rows, channels, warps) = {tile}: {us:8.2f} us "
+                  f"{nbytes / us / 1e3:7.1f} GB/s", flush=True)
+        ck.PREFILL_POOL_TILE.update(default)
+
+
 def run_prefill(rows, quick):
     token_counts = (16384,) if quick else (4096, 16384, 65536)
-    for config in CONFIGS:
+    for config in (("c4-main", "c128-main") if quick else CONFIGS):
         for tokens in token_counts:
-            for requests in (1, 32):
+            for requests in ((32,) if quick else (1, 32)):
                 for prefix in (0, 1000):
                     s = prefill_setup(config, tokens, requests, prefix)
                     r, D = s["r"], s["D"]
@@ -199,8 +217,8 @@ def decode_setup(config, bs, seed=0):
 
 
 def run_decode(rows, quick):
-    for config in CONFIGS:
-        for bs in (1, 8, 32, 128, 512):
+    for config in (("c4-main", "c128-main") if quick else CONFIGS):
+        for bs in ((8, 128, 512) if quick else (1, 8, 32, 128, 512)):
             s = decode_setup(config, bs)
             r, D = s["r"], s["D"]
             width = state_row_width(D, r)
@@ -324,18 +342,21 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="docs")
     parser.add_argument("--only", choices=["prefill", "decode", "step"], default=None)
+    parser.add_argument("--sweep", action="store_true", help="time the prefill pooling tile choices first")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     COPY_BW = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"D2D copy {COPY_BW:.0f} GB/s (read + write)")
     rows = []
+    if args.sweep:
+        sweep_prefill_tiles()
+    if args.only in (None, "step"):
+        whole_decode_step(rows)
     if args.only in (None, "prefill"):
         run_prefill(rows, args.quick)
     if args.only in (None, "decode"):
         run_decode(rows, args.quick)
-    if args.only in (None, "step"):
-        whole_decode_step(rows)
     print("saved", save(rows, args.out))
 
 

@@ -67,7 +67,9 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out):
     block = dict(HEAD_DIM=head_dim, RATIO=ratio, BLOCK_D=ck._block_d(head_dim), BLOCK_W=8 if ratio == 4 else 32)
     ptrs = dict(state_ptr=f"*{state}", input_ptr=f"*{inp}", ape_ptr="*fp32", plan_ptr="*i32", out_ptr=f"*{out}")
     _compile(ck._compress_decode_kernel, dict(ptrs, num_state_rows="i64"), block)
-    _compile(ck._compress_prefill_pool_kernel, dict(ptrs, num_state_rows="i64", num_inputs="i32"), block)
+    events, rows, channels, _ = ck.PREFILL_POOL_TILE[ratio]
+    _compile(ck._compress_prefill_pool_kernel, dict(ptrs, num_events="i32", num_state_rows="i64", num_inputs="i32"),
+             dict(HEAD_DIM=head_dim, RATIO=ratio, BLOCK_E=events, BLOCK_W=rows, BLOCK_D=min(channels, head_dim)))
     width = (4 if ratio == 4 else 2) * head_dim
     _compile(ck._compress_prefill_write_kernel,
              dict(state_ptr=f"*{state}", input_ptr=f"*{inp}", plan_ptr="*i32", num_writes="i32", num_state_rows="i64",

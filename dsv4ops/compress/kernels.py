@@ -114,67 +114,85 @@ if HAVE_TRITON:
 
     @triton.jit
     def _compress_prefill_pool_kernel(
-        state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_state_rows, num_inputs,
-        HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
+        state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs,
+        HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_W: tl.constexpr,
     ):
+        """``BLOCK_E`` consecutive CompressPlan rows x ``BLOCK_D`` channels per program.
+
+        Batching events amortizes the ape tile and the plan decoding, and for ratio 4
+        lets one program stream a contiguous run of input rows (A and B halves of
+        consecutive tokens belong to consecutive events).
+        """
         D: tl.constexpr = HEAD_DIM
         PARTS: tl.constexpr = 4 if RATIO == 4 else 2
         WIDTH: tl.constexpr = PARTS * HEAD_DIM
         W: tl.constexpr = 8 if RATIO == 4 else RATIO
-        k = tl.program_id(0).to(tl.int64)
+        k = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = d < D
-        word0 = tl.load(plan_ptr + k * 4)
-        word1 = tl.load(plan_ptr + k * 4 + 1).to(tl.int64)
-        page0 = tl.load(plan_ptr + k * 4 + 2).to(tl.int64)
-        page1 = tl.load(plan_ptr + k * 4 + 3).to(tl.int64)
+        in_plan = k < num_events
+        word0 = tl.load(plan_ptr + k * 4, mask=in_plan, other=-1)
+        word1 = tl.load(plan_ptr + k * 4 + 1, mask=in_plan, other=0).to(tl.int64)
+        page0 = tl.load(plan_ptr + k * 4 + 2, mask=in_plan, other=-1).to(tl.int64)
+        page1 = tl.load(plan_ptr + k * 4 + 3, mask=in_plan, other=-1).to(tl.int64)
         seq_len = word0.to(tl.int64) & 0xFFFFFFFF
         ragged = word1 & 0xFFFF
         buffer_len = (word1 >> 16) & 0xFFFF
-        valid = (word0 != -1) & (seq_len >= RATIO) & (buffer_len <= W)
         has_overlap = seq_len > 4
+        valid = (word0 != -1) & (seq_len >= RATIO) & (buffer_len <= W)
 
         # every window row must be readable: from the ring (w < buffer_len) or from the input
-        w_all = tl.arange(0, W)
+        w_all = tl.arange(0, W)[None, :]
         exists = w_all < W
         if RATIO == 4:
-            exists = exists & ((w_all >= 4) | has_overlap)
-        from_state = w_all < buffer_len
-        row = _window_rows(w_all, page0, page1, RATIO)
-        src = ragged - (W - 1) + w_all
+            exists = exists & ((w_all >= 4) | has_overlap[:, None])
+        from_state = w_all < buffer_len[:, None]
+        row = _window_rows(w_all, page0[:, None], page1[:, None], RATIO)
+        src = ragged[:, None] - (W - 1) + w_all
         bad = exists & tl.where(from_state, (row < 0) | (row >= num_state_rows), (src < 0) | (src >= num_inputs))
-        valid = valid & (tl.sum(bad.to(tl.int32), axis=0) == 0)
+        valid = valid & (tl.sum(bad.to(tl.int32), axis=1) == 0)
 
-        m = tl.full([BLOCK_D], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_D], tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        if valid:
+        result = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+        # plans are padded to num_q_tokens rows, valid rows first: blocks of padding only write zeros
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            m = tl.full([BLOCK_E, BLOCK_D], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+            acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
             for w0 in tl.static_range(0, W, BLOCK_W):
                 w = w0 + tl.arange(0, BLOCK_W)
-                present_w = w < W
+                present_w = valid[:, None] & (w < W)[None, :]
                 if RATIO == 4:
-                    present_w = present_w & ((w >= 4) | has_overlap)
-                present = present_w[:, None] & d_ok[None, :]
-                in_state = (w < buffer_len)[:, None]
+                    present_w = present_w & ((w >= 4)[None, :] | has_overlap[:, None])
+                present = present_w[:, :, None] & d_ok[None, None, :]
+                in_state = (w[None, :] < buffer_len[:, None])[:, :, None]
                 kv_off, score_off = _part_offsets(w, D, RATIO)
-                at_state = state_ptr + _window_rows(w, page0, page1, RATIO)[:, None] * WIDTH + d[None, :]
-                at_input = input_ptr + (ragged - (W - 1) + w)[:, None] * WIDTH + d[None, :]
+                state_row = _window_rows(w[None, :], page0[:, None], page1[:, None], RATIO)
+                at_state = state_ptr + state_row[:, :, None] * WIDTH + d[None, None, :]
+                at_input = input_ptr + (ragged[:, None] - (W - 1) + w[None, :])[:, :, None] * WIDTH + d[None, None, :]
+                kv_off = kv_off[None, :, None]
+                score_off = score_off[None, :, None]
                 kv = tl.where(
                     in_state,
-                    tl.load(at_state + kv_off[:, None], mask=present & in_state, other=0.0).to(tl.float32),
-                    tl.load(at_input + kv_off[:, None], mask=present & ~in_state, other=0.0).to(tl.float32),
+                    tl.load(at_state + kv_off, mask=present & in_state, other=0.0).to(tl.float32),
+                    tl.load(at_input + kv_off, mask=present & ~in_state, other=0.0).to(tl.float32),
                 )
                 score = tl.where(
                     in_state,
-                    tl.load(at_state + score_off[:, None], mask=present & in_state, other=0.0).to(tl.float32),
-                    tl.load(at_input + score_off[:, None], mask=present & ~in_state, other=0.0).to(tl.float32),
+                    tl.load(at_state + score_off, mask=present & in_state, other=0.0).to(tl.float32),
+                    tl.load(at_input + score_off, mask=present & ~in_state, other=0.0).to(tl.float32),
                 )
-                ape = tl.load(ape_ptr + w[:, None] * D + d[None, :], mask=present, other=0.0).to(tl.float32)
-                m, l, acc = _softmax_step(m, l, acc, score + ape, kv, present)
-            result = acc / l
-        else:
-            result = tl.zeros([BLOCK_D], tl.float32)
-        tl.store(out_ptr + k * D + d, cast_rne(result, out_ptr.dtype.element_ty), mask=d_ok)
+                ape = tl.load(ape_ptr + w[:, None] * D + d[None, :], mask=(w < W)[:, None] & d_ok[None, :], other=0.0)
+                score = tl.where(present, score + ape.to(tl.float32)[None, :, :], float("-inf"))
+                m_new = tl.maximum(m, tl.max(score, axis=1))
+                alpha = tl.exp(m - m_new)
+                p = tl.where(present, tl.exp(score - m_new[:, None, :]), 0.0)
+                l = l * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha + tl.sum(p * kv, axis=1)
+                m = m_new
+            result = tl.where(valid[:, None], acc / l, 0.0)
+        tl.store(out_ptr + k[:, None] * D + d[None, :], cast_rne(result, out_ptr.dtype.element_ty),
+                 mask=in_plan[:, None] & d_ok[None, :])
 
     @triton.jit
     def _compress_prefill_write_kernel(
@@ -197,6 +215,10 @@ def _block_d(head_dim: int) -> int:
     return min(128, next_pow2(head_dim))
 
 
+#: prefill pooling tile per ratio: (events per program, window rows per step, channels, warps)
+PREFILL_POOL_TILE = {4: (16, 8, 64, 4), 128: (1, 32, 128, 4)}
+
+
 def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out, head_dim, compress_ratio) -> None:
     """Launch the decode kernel, or the two prefill passes (arguments as the op)."""
     r = compress_ratio
@@ -211,9 +233,12 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
             HEAD_DIM=head_dim, RATIO=r, BLOCK_D=block_d, BLOCK_W=block_w, num_warps=4,
         )
         return
-    launch(_compress_prefill_pool_kernel)[grid](
-        kv_score_buffer, kv_score_input, ape, plan.view(torch.int32), out, num_rows, kv_score_input.shape[0],
-        HEAD_DIM=head_dim, RATIO=r, BLOCK_D=block_d, BLOCK_W=block_w, num_warps=4,
+    events, rows, channels, warps = PREFILL_POOL_TILE[r]
+    channels = min(channels, next_pow2(head_dim))
+    launch(_compress_prefill_pool_kernel)[(cdiv(plan.shape[0], events), cdiv(head_dim, channels))](
+        kv_score_buffer, kv_score_input, ape, plan.view(torch.int32), out, plan.shape[0], num_rows,
+        kv_score_input.shape[0], HEAD_DIM=head_dim, RATIO=r, BLOCK_E=events, BLOCK_D=channels, BLOCK_W=rows,
+        num_warps=warps,
     )
     block_r = 4
     launch(_compress_prefill_write_kernel)[(cdiv(write_plan.shape[0], block_r),)](

@@ -109,68 +109,70 @@ if HAVE_TRITON:
         live = live & (loc >= 0) & (page < num_pages) & (pos < num_freq_rows)
         base = page * page_bytes  # int64: caches can exceed 2 GiB
 
-        # --- RMSNorm: fp64 sum of squares, rstd rounded once to fp32 -------------------
-        cols = tl.arange(0, D)
-        x = tl.load(kv_ptr + rows[:, None] * D + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        x64 = x.to(tl.float64)
-        sum_sq = tl.sum(x64 * x64, axis=1)
-        rstd = (1.0 / tl.sqrt(sum_sq / D + eps)).to(tl.float32)  # eps: an fp32 value, widened
-        w = tl.load(weight_ptr + cols).to(tl.float32)
-        y = (x * rstd[:, None]) * w[None, :]
+        # plans are padded (prefill) or mostly non-boundary (decode): skip blocks with no row to store
+        if tl.max(live.to(tl.int32), axis=0) > 0:
+            # --- RMSNorm: fp64 sum of squares, rstd rounded once to fp32 -------------------
+            cols = tl.arange(0, D)
+            x = tl.load(kv_ptr + rows[:, None] * D + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            x64 = x.to(tl.float64)
+            sum_sq = tl.sum(x64 * x64, axis=1)
+            rstd = (1.0 / tl.sqrt(sum_sq / D + eps)).to(tl.float32)  # eps: an fp32 value, widened
+            w = tl.load(weight_ptr + cols).to(tl.float32)
+            y = (x * rstd[:, None]) * w[None, :]
 
-        # --- RoPE on the last 64 elements, interleaved pairs, each value rounded once ----
-        a, b = tl.split(tl.reshape(y, [BLOCK_M, HALF, 2]))
-        pair = tl.arange(0, HALF) - (D - 64) // 2  # rotated pairs: the last 64 elements
-        rotated = live[:, None] & (pair >= 0)[None, :]
-        f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
-        cos = tl.load(f_at, mask=rotated, other=0.0).to(tl.float64)
-        sin = tl.load(f_at + 1, mask=rotated, other=0.0).to(tl.float64)
-        a64 = a.to(tl.float64)
-        b64 = b.to(tl.float64)
-        a = tl.where(rotated, (a64 * cos - b64 * sin).to(tl.float32), a)
-        b = tl.where(rotated, (a64 * sin + b64 * cos).to(tl.float32), b)
-        y = tl.reshape(tl.join(a, b), [BLOCK_M, D])
+            # --- RoPE on the last 64 elements, interleaved pairs, each value rounded once ----
+            a, b = tl.split(tl.reshape(y, [BLOCK_M, HALF, 2]))
+            pair = tl.arange(0, HALF) - (D - 64) // 2  # rotated pairs: the last 64 elements
+            rotated = live[:, None] & (pair >= 0)[None, :]
+            f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
+            cos = tl.load(f_at, mask=rotated, other=0.0).to(tl.float64)
+            sin = tl.load(f_at + 1, mask=rotated, other=0.0).to(tl.float64)
+            a64 = a.to(tl.float64)
+            b64 = b.to(tl.float64)
+            a = tl.where(rotated, (a64 * cos - b64 * sin).to(tl.float32), a)
+            b = tl.where(rotated, (a64 * sin + b64 * cos).to(tl.float32), b)
+            y = tl.reshape(tl.join(a, b), [BLOCK_M, D])
 
-        slot_at = base + slot * SLOT_BYTES  # [BLOCK_M]
-        scale_at = base + (SLOT_BYTES << log2_page) + slot * SCALE_STRIDE
-        if FORMAT == 0:  # main FP8 pack: groups 0..6 e4m3 with ue8m0 scales, group 7 (rope) bf16
-            g = tl.reshape(y, [BLOCK_M, 8, 64])
-            z = bf16_round(g)
-            amax = tl.max(tl.abs(z), axis=2)  # [BLOCK_M, 8]
-            exponent = _ue8m0_ceil((tl.maximum(amax, 1e-4).to(tl.float64) / 448.0).to(tl.float32))
-            codes = _e4m3_code(z * _pow2_neg(exponent)[:, :, None])
-            group = tl.arange(0, 8)
-            within = tl.arange(0, 64)
-            byte_at = slot_at[:, None, None] + group[None, :, None] * 64 + within[None, None, :]
-            nope = live[:, None, None] & (group < 7)[None, :, None]
-            tl.store(cache_ptr + byte_at, codes.to(tl.uint8), mask=nope)
-            rope_at = (cache_ptr + slot_at[:, None, None] + 448 + 2 * within[None, None, :]).to(tl.pointer_type(tl.int16))
-            rope = live[:, None, None] & (group == 7)[None, :, None]
-            tl.store(rope_at + 0 * group[None, :, None], bf16_bits(g).to(tl.int16), mask=rope)
-            tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8),
-                     mask=live[:, None] & (group < 7)[None, :])
-        elif FORMAT == 1:  # main bf16
-            at = (cache_ptr + slot_at[:, None] + 2 * cols[None, :]).to(tl.pointer_type(tl.int16))
-            tl.store(at, bf16_bits(y).to(tl.int16), mask=live[:, None])
-        elif FORMAT == 2:  # indexer FP8: Hadamard, one fp32 scale per row
-            h = _hadamard128(y, BLOCK_M)
-            amax = tl.max(tl.abs(h), axis=1)
-            scale = (tl.maximum(amax, 1e-4).to(tl.float64) / 448.0).to(tl.float32)
-            inv = (1.0 / scale.to(tl.float64)).to(tl.float32)
-            codes = _e4m3_code(h * inv[:, None])
-            tl.store(cache_ptr + slot_at[:, None] + cols[None, :], codes.to(tl.uint8), mask=live[:, None])
-            tl.store((cache_ptr + scale_at).to(tl.pointer_type(tl.float32)), scale, mask=live)
-        else:  # indexer FP4: Hadamard, 4 groups of 32 with ue8m0 scales, two codes per byte
-            h = tl.reshape(_hadamard128(y, BLOCK_M), [BLOCK_M, 4, 32])
-            amax = tl.max(tl.abs(h), axis=2)
-            exponent = _ue8m0_ceil((tl.maximum(amax, 1e-4).to(tl.float64) / 6.0).to(tl.float32))
-            codes = _e2m1_code(h * _pow2_neg(exponent)[:, :, None])
-            lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, 64, 2]))
-            packed = lo | (hi << 4)
-            byte = tl.arange(0, 64)
-            tl.store(cache_ptr + slot_at[:, None] + byte[None, :], packed.to(tl.uint8), mask=live[:, None])
-            group = tl.arange(0, 4)
-            tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8), mask=live[:, None])
+            slot_at = base + slot * SLOT_BYTES  # [BLOCK_M]
+            scale_at = base + (SLOT_BYTES << log2_page) + slot * SCALE_STRIDE
+            if FORMAT == 0:  # main FP8 pack: groups 0..6 e4m3 with ue8m0 scales, group 7 (rope) bf16
+                g = tl.reshape(y, [BLOCK_M, 8, 64])
+                z = bf16_round(g)
+                amax = tl.max(tl.abs(z), axis=2)  # [BLOCK_M, 8]
+                exponent = _ue8m0_ceil((tl.maximum(amax, 1e-4).to(tl.float64) / 448.0).to(tl.float32))
+                codes = _e4m3_code(z * _pow2_neg(exponent)[:, :, None])
+                group = tl.arange(0, 8)
+                within = tl.arange(0, 64)
+                byte_at = slot_at[:, None, None] + group[None, :, None] * 64 + within[None, None, :]
+                nope = live[:, None, None] & (group < 7)[None, :, None]
+                tl.store(cache_ptr + byte_at, codes.to(tl.uint8), mask=nope)
+                rope_at = (cache_ptr + slot_at[:, None, None] + 448 + 2 * within[None, None, :]).to(tl.pointer_type(tl.int16))
+                rope = live[:, None, None] & (group == 7)[None, :, None]
+                tl.store(rope_at + 0 * group[None, :, None], bf16_bits(g).to(tl.int16), mask=rope)
+                tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8),
+                         mask=live[:, None] & (group < 7)[None, :])
+            elif FORMAT == 1:  # main bf16
+                at = (cache_ptr + slot_at[:, None] + 2 * cols[None, :]).to(tl.pointer_type(tl.int16))
+                tl.store(at, bf16_bits(y).to(tl.int16), mask=live[:, None])
+            elif FORMAT == 2:  # indexer FP8: Hadamard, one fp32 scale per row
+                h = _hadamard128(y, BLOCK_M)
+                amax = tl.max(tl.abs(h), axis=1)
+                scale = (tl.maximum(amax, 1e-4).to(tl.float64) / 448.0).to(tl.float32)
+                inv = (1.0 / scale.to(tl.float64)).to(tl.float32)
+                codes = _e4m3_code(h * inv[:, None])
+                tl.store(cache_ptr + slot_at[:, None] + cols[None, :], codes.to(tl.uint8), mask=live[:, None])
+                tl.store((cache_ptr + scale_at).to(tl.pointer_type(tl.float32)), scale, mask=live)
+            else:  # indexer FP4: Hadamard, 4 groups of 32 with ue8m0 scales, two codes per byte
+                h = tl.reshape(_hadamard128(y, BLOCK_M), [BLOCK_M, 4, 32])
+                amax = tl.max(tl.abs(h), axis=2)
+                exponent = _ue8m0_ceil((tl.maximum(amax, 1e-4).to(tl.float64) / 6.0).to(tl.float32))
+                codes = _e2m1_code(h * _pow2_neg(exponent)[:, :, None])
+                lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, 64, 2]))
+                packed = lo | (hi << 4)
+                byte = tl.arange(0, 64)
+                tl.store(cache_ptr + slot_at[:, None] + byte[None, :], packed.to(tl.uint8), mask=live[:, None])
+                group = tl.arange(0, 4)
+                tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8), mask=live[:, None])
 
 
 def _block_m(fmt: CacheFormat) -> int:
