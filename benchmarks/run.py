@@ -34,6 +34,9 @@ from dsv4ops.store.reference import norm_rope_store_reference
 from dsv4ops.testing import PagedPools
 
 DEV = "cuda"
+DECODE_MAX_LEN = 131072  # decode positions go up to 128K
+DECODE_BATCHES = (1, 8, 32, 128, 512)
+PREFILL_TOKENS = (4096, 16384, 65536)
 CONFIGS = {  # name: (ratio, head_dim, ring, cache flags)
     "c4-main": (4, 512, 8, {}),
     "c4-indexer": (4, 128, 8, {}),
@@ -139,7 +142,7 @@ def sweep_prefill_tiles():
                   128: [(1, 32, 128, 4), (1, 16, 64, 4), (1, 64, 64, 8), (2, 32, 64, 4), (1, 128, 32, 8)]}
     default = dict(ck.PREFILL_POOL_TILE)
     for config in CONFIGS:
-        s = prefill_setup(config, 16384, 32, 0)
+        s = prefill_setup(config, PREFILL_TOKENS[1], 32, 0)
         r, D = s["r"], s["D"]
         out = torch.empty(s["plan_c"].shape[0], D, device=DEV)
         nbytes = compress_prefill_bytes(s)
@@ -152,7 +155,7 @@ def sweep_prefill_tiles():
 
 
 def run_prefill(rows, quick):
-    token_counts = (16384,) if quick else (4096, 16384, 65536)
+    token_counts = PREFILL_TOKENS[1:2] if quick else PREFILL_TOKENS
     for config in (("c4-main", "c128-main") if quick else CONFIGS):
         for tokens in token_counts:
             for requests in ((32,) if quick else (1, 32)):
@@ -196,17 +199,32 @@ def run_prefill(rows, quick):
                         print_row(row)
 
 
+def compact_swa(pools: PagedPools, swa_pages_per_request: int = 4) -> int:
+    """Give each request a small ring of SWA pages (as sglang's SWA pool does by evicting old
+    pages) instead of one SWA page per 128 tokens, so 128K-token contexts fit; returns the page count."""
+    assert not bool((pools.request_pages[:, 1:] != pools.request_pages[:, :1] + torch.arange(1, pools.pages_per_request)).any())
+    slot = torch.arange(pools.num_full_pages * pools.full_page_size, device=pools.device)
+    page = slot // pools.full_page_size
+    rid = (page - 1).clamp_min(0) // pools.pages_per_request
+    block = ((page - 1).clamp_min(0) % pools.pages_per_request) * (pools.full_page_size // pools.swa_page_size) \
+        + (slot % pools.full_page_size) // pools.swa_page_size
+    swa_page = rid * swa_pages_per_request + block % swa_pages_per_request
+    pools.full_to_state = swa_page * pools.swa_page_size + slot % pools.swa_page_size
+    return pools.max_requests * swa_pages_per_request
+
+
 def decode_setup(config, bs, seed=0):
     """bs requests at positions up to 128K; about a quarter of them complete a chunk this step."""
     r, D, ring, flags = CONFIGS[config]
     g = torch.Generator().manual_seed(seed)
-    max_len = 131072
+    max_len = DECODE_MAX_LEN
     pools = PagedPools(max_requests=bs, max_seq_len=max_len, swa_page_size=128, full_page_size=256, seed=seed,
                        device=DEV, shuffle=False)
-    seq = torch.randint(r, max_len // r, (bs,), generator=g) * r
+    swa_pages = compact_swa(pools)
+    seq = torch.randint(1, max_len // r - 1, (bs,), generator=g) * r
     seq = torch.where(torch.rand(bs, generator=g) < 0.25, seq, seq - torch.randint(1, r, (bs,), generator=g).clamp(max=r - 1))
     width = state_row_width(D, r)
-    state = torch.randn(pools.state_rows(r, ring), width, device=DEV)
+    state = torch.randn(swa_pages * ring, width, device=DEV)
     rpi = torch.arange(bs, device=DEV)
     seq_t = seq.to(DEV)
     plan = pk.plan_decode(rpi, pools.req_to_token, pools.full_to_state, seq_t, r, 128, ring, 0)
@@ -218,7 +236,7 @@ def decode_setup(config, bs, seed=0):
 
 def run_decode(rows, quick):
     for config in (("c4-main", "c128-main") if quick else CONFIGS):
-        for bs in ((8, 128, 512) if quick else (1, 8, 32, 128, 512)):
+        for bs in (DECODE_BATCHES[1::2] if quick else DECODE_BATCHES):
             s = decode_setup(config, bs)
             r, D = s["r"], s["D"]
             width = state_row_width(D, r)
@@ -244,7 +262,7 @@ def run_decode(rows, quick):
             layout = CacheLayout(fmt, 256 // r)
             cache = torch.zeros(s["pools"].cache_pages(), layout.page_bytes, dtype=torch.uint8, device=DEV)
             args = (torch.randn(bs, D, device=DEV), s["plan"], torch.randn(D, device=DEV), 1e-6,
-                    rope_freqs_table(131072).to(DEV), s["out_loc"], cache, True, r, 256 // r, False, False)
+                    rope_freqs_table(DECODE_MAX_LEN).to(DEV), s["out_loc"], cache, True, r, 256 // r, False, False)
             row = Row("norm_rope_store decode", config, shape, bs, bench(lambda: sk.norm_rope_store(*args), cudagraph=True),
                       store_bytes(s["boundary"], bs, D, layout))
             row.ref_eager_us = bench(lambda: norm_rope_store_reference(*args))
@@ -264,7 +282,7 @@ def run_decode(rows, quick):
 def whole_decode_step(rows, bs=128):
     """Plans + compress + store for core c4, indexer c4 (shared plan) and core c128, under one CUDA graph."""
     parts = {name: decode_setup(name, bs, seed=1) for name in CONFIGS}
-    freqs = rope_freqs_table(131072).to(DEV)
+    freqs = rope_freqs_table(DECODE_MAX_LEN).to(DEV)
     caches, weights, kvs = {}, {}, {}
     for name, s in parts.items():
         layout = CacheLayout(cache_format(s["D"], False, False), 256 // s["r"])
