@@ -29,6 +29,7 @@ from ._layout import Addressing
 
 # Importing the op modules registers torch.ops.dsv4ops.*
 from .compress import op as _compress_op  # noqa: F401
+from .online import op as _online_op  # noqa: F401
 from .planner import op as _planner_op  # noqa: F401
 from .store import op as _store_op  # noqa: F401
 
@@ -89,6 +90,20 @@ class CompressorDecodePlan(NamedTuple):
             int(compress_ratio), 0, 0, int(Addressing.LEGACY),
         )
         return CompressorDecodePlan(int(compress_ratio), plan_d)
+
+    @staticmethod
+    def generate_online(
+        seq_lens: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        req_to_token: Optional[torch.Tensor] = None,
+        state_slot_offset: int = 0,
+    ) -> "CompressorDecodePlan":
+        """Plan for the online ratio-128 compressor: one state slot per request,
+        ``req_pool_indices[b] + state_slot_offset`` (``req_to_token`` is accepted and unused)."""
+        plan_d = torch.ops.dsv4ops.plan_online_decode(
+            req_pool_indices, seq_lens.to(req_pool_indices.device), int(state_slot_offset)
+        )
+        return CompressorDecodePlan(128, plan_d)
 
     @property
     def is_decode(self) -> bool:
@@ -164,6 +179,28 @@ class CompressorPrefillPlan(NamedTuple):
             int(Addressing.LEGACY),
         )
 
+    @staticmethod
+    def generate_online(
+        seq_lens: torch.Tensor,
+        extend_lens: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        req_to_token: Optional[torch.Tensor] = None,
+        num_q_tokens: int = 0,
+        use_cuda_graph: bool = False,
+        state_slot_offset: int = 0,
+    ) -> "CompressorPrefillPlan":
+        """Segment plans for the online ratio-128 compressor, padded to ``num_q_tokens`` rows
+        (``plan_w`` holds 16-byte CompressPlan rows here, as in sglang)."""
+        if _eager_host_tensors(seq_lens, extend_lens):
+            _checks.check_num_q_tokens("plan_online_prefill", num_q_tokens)
+            _checks.check_prefill_lengths_host("plan_online_prefill", seq_lens, extend_lens, num_q_tokens)
+        device = req_pool_indices.device
+        plan_c, plan_w = torch.ops.dsv4ops.plan_online_prefill(
+            req_pool_indices, seq_lens.to(device, non_blocking=True), extend_lens.to(device, non_blocking=True),
+            num_q_tokens, int(state_slot_offset),
+        )
+        return CompressorPrefillPlan(128, plan_c, plan_w)
+
     @property
     def is_decode(self) -> bool:
         return False
@@ -197,11 +234,14 @@ def compress_forward(
     """
     _check_plan("compress_forward", plan, compress_ratio)
     if is_online:
-        if compress_ratio != 128 or head_dim != 512:
-            _checks.fail("compress_forward", f"`is_online=True` needs compress_ratio=128 and head_dim=512, got {compress_ratio} and {head_dim}")
-        from .online import compress_forward_online
-
-        return compress_forward_online(kv_score_buffer, kv_score_input, ape, plan, head_dim=head_dim, out=out)
+        if compress_ratio != 128:  # (sglang's online kernel also fixes head_dim = 512; any multiple of 64 works here)
+            _checks.fail("compress_forward", f"`is_online=True` needs compress_ratio=128, got {compress_ratio}")
+        if out is None:
+            out = kv_score_input.new_empty((plan[1].shape[0], head_dim))
+        torch.ops.dsv4ops.compress_forward_online(
+            kv_score_buffer, kv_score_input, ape, plan[1], None if plan.is_decode else plan[2], out, int(head_dim)
+        )
+        return out
     if out is None:
         out = kv_score_input.new_empty((plan[1].shape[0], head_dim))
     write_plan = None if plan.is_decode else plan[2]

@@ -31,7 +31,7 @@ def _compile(fn, types: dict, constexprs: dict, num_warps=4):
     from triton.compiler import ASTSource
 
     if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("kernels were imported in interpreter mode")
+        pytest.skip("interpreter mode: test_all_kernels_compile_for_sm90 compiles this variant in a subprocess")
     names = fn.arg_names
     signature = {name: ("constexpr" if name in constexprs else types[name]) for name in names}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
@@ -90,3 +90,23 @@ def test_variant_planner_kernels(ratio, addressing):
     _compile(pk._count_rows_kernel, dict(rows, counts_ptr="*i32"), meta)
     _compile(pk._emit_rows_kernel, dict(rows, plan_c_ptr="*i32", plan_w_ptr="*i32", counts_ptr="*i32"),
              dict(meta, MAX_BLOCKS=pk.MAX_BLOCKS))
+
+
+@pytest.mark.parametrize("head_dim", [512, 64])
+def test_variant_online_kernels(head_dim):
+    from dsv4ops.online import kernels as ok
+    from dsv4ops.planner.kernels import MAX_BLOCKS, ROWS_PER_BLOCK
+
+    _compile(ok._plan_online_decode_kernel, dict(rpi_ptr="*i64", seq_ptr="*i64", plan_ptr="*i32", bs="i32", offset="i32"),
+             dict(BLOCK=128))
+    rows = dict(num_q_tokens="i32", ends_ptr="*i64", bs="i32", rpi_ptr="*i64", seq_ptr="*i64", ext_ptr="*i64", offset="i32")
+    meta = dict(LOG2_MAX_BS=17, BLOCK=ROWS_PER_BLOCK)
+    _compile(ok._count_segments_kernel, dict(rows, counts_ptr="*i32"), meta)
+    _compile(ok._emit_segments_kernel, dict(rows, plan_c_ptr="*i32", plan_w_ptr="*i32", counts_ptr="*i32"),
+             dict(meta, MAX_BLOCKS=MAX_BLOCKS))
+    ptrs = dict(state_ptr="*fp32", input_ptr="*fp32", ape_ptr="*fp32", plan_ptr="*i32", out_ptr="*fp32")
+    block_d = min(128, head_dim)
+    _compile(ok._online_decode_kernel, dict(ptrs, num_slots="i32"), dict(HEAD_DIM=head_dim, BLOCK_D=block_d))
+    for is_write in (False, True):
+        _compile(ok._online_prefill_kernel, dict(ptrs, num_rows="i32", num_slots="i32", num_inputs="i32"),
+                 dict(HEAD_DIM=head_dim, IS_WRITE=is_write, BLOCK_D=block_d, BLOCK_T=32))

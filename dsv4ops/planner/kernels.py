@@ -72,14 +72,10 @@ if HAVE_TRITON:
         tl.store(out + 3, _page(write_loc, RATIO).to(tl.int32), mask=in_batch)
 
     @triton.jit
-    def _classify_rows(
-        block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr,
-        r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
-        sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
-        HAS_TABLE: tl.constexpr, LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        """Per ragged row of one block: event/write flags and the words of their plan rows."""
-        W: tl.constexpr = 8 if RATIO == 4 else RATIO
+    def ragged_rows(block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr,
+                    LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr):
+        """Ragged rows ``i`` of one block -> (i, in range, belongs to a valid request, seq_len, request id,
+        index inside the request's extend, position). ``ends`` are the requests' ragged end offsets."""
         i = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         in_rows = i < num_q_tokens
         # request of each row: the number of request ends <= i (a branch-free binary search)
@@ -100,7 +96,26 @@ if HAVE_TRITON:
         end = tl.load(ends_ptr + b, mask=in_batch, other=0)
         ok = in_batch & (ext >= 0) & (ext <= seq)
         j = i - (end - ext)
-        pos = seq - ext + j
+        return i, in_rows, ok, seq, rid, j, seq - ext + j
+
+    @triton.jit
+    def block_offset(counts_ptr, which, block, num_q_tokens, BLOCK: tl.constexpr, MAX_BLOCKS: tl.constexpr):
+        """(rows counted by the blocks before ``block``, rows counted by all blocks) for count ``which``."""
+        blocks = tl.arange(0, MAX_BLOCKS)
+        counts = tl.load(counts_ptr + blocks * 2 + which, mask=blocks < tl.cdiv(num_q_tokens, BLOCK), other=0)
+        return tl.sum(tl.where(blocks < block, counts, 0), axis=0), tl.sum(counts, axis=0)
+
+    @triton.jit
+    def _classify_rows(
+        block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr,
+        r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
+        sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
+        HAS_TABLE: tl.constexpr, LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """Per ragged row of one block: event/write flags and the words of their plan rows."""
+        W: tl.constexpr = 8 if RATIO == 4 else RATIO
+        i, in_rows, ok, seq, rid, j, pos = ragged_rows(
+            block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, LOG2_MAX_BS, BLOCK)
         lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE)
 
         is_event = ok & ((pos + 1) % RATIO == 0)
@@ -146,16 +161,8 @@ if HAVE_TRITON:
         i, in_rows, is_event, is_write, pos, buffer_len, page0, page1, row = _classify_rows(
             block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, r2t_ptr, r2t_stride, num_reqs, max_len,
             f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE, LOG2_MAX_BS, BLOCK)
-        # where this block's rows start, and how many valid rows there are in total
-        blocks = tl.arange(0, MAX_BLOCKS)
-        num_blocks = tl.cdiv(num_q_tokens, BLOCK)
-        n_events = tl.load(counts_ptr + blocks * 2, mask=blocks < num_blocks, other=0)
-        n_writes = tl.load(counts_ptr + blocks * 2 + 1, mask=blocks < num_blocks, other=0)
-        before = blocks < block
-        event_base = tl.sum(tl.where(before, n_events, 0), axis=0)
-        write_base = tl.sum(tl.where(before, n_writes, 0), axis=0)
-        total_events = tl.sum(n_events, axis=0)
-        total_writes = tl.sum(n_writes, axis=0)
+        event_base, total_events = block_offset(counts_ptr, 0, block, num_q_tokens, BLOCK, MAX_BLOCKS)
+        write_base, total_writes = block_offset(counts_ptr, 1, block, num_q_tokens, BLOCK, MAX_BLOCKS)
 
         ev = is_event.to(tl.int32)
         dst = (event_base + tl.cumsum(ev, axis=0) - ev).to(tl.int64)
