@@ -159,3 +159,18 @@ def test_errors_also_raise_under_torch_compile():
 
     with pytest.raises(Exception, match="`page_size` must be a positive power of two"):
         torch.compile(step, fullgraph=True)(torch.randn(2, 512), torch.zeros(2, 37440, dtype=torch.uint8))
+
+
+def test_same_errors_on_every_device(device):
+    """The checks are device-agnostic: CUDA inputs get the same messages as CPU ones."""
+    to = lambda t: t.to(device)  # noqa: E731
+    plan = CompressorDecodePlan(4, to(_decode().plan_d))
+    with pytest.raises(TypeError, match="`kv_score_input` must have dtype"):
+        dsv4ops.compress_forward(to(torch.zeros(16, 4 * D)), to(torch.zeros(2, 4 * D, dtype=torch.float64)),
+                                 to(torch.zeros(8, D)), plan, head_dim=D, compress_ratio=4)
+    with pytest.raises(ValueError, match="`page_size` must be a positive power of two"):
+        dsv4ops.compress_norm_rope_store(to(torch.zeros(2, 512)), plan, norm_weight=to(torch.ones(512)), norm_eps=1e-6,
+                                         freq_cis=to(torch.zeros(8, 64)), out_loc=to(I64(0, 1)),
+                                         kvcache=to(torch.zeros(1, 37440, dtype=torch.uint8)), page_size=3)
+    with pytest.raises(ValueError, match="`compress_ratio` must be 4 or 128"):
+        CompressorDecodePlan.generate(5, to(I64(0)), to(P.req_to_token), to(P.full_to_state), to(I64(3)), 16, 8)
