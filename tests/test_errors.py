@@ -68,17 +68,21 @@ def test_planner_op_checks_num_q_tokens_directly():
 D = 128
 
 
+def _call_leaving_unchanged(fn, kwargs, mutated):
+    """Call ``fn(**kwargs)``; whatever it raises, ``mutated`` must be as it was (errors come before writes)."""
+    before = mutated.clone()
+    try:
+        return fn(**kwargs)
+    finally:
+        assert torch.equal(mutated, before), "an error must be raised before anything is written"
+
+
 def _compress(**over):
     plan = _decode(seq_lens=I64(8, 5))
     args = dict(kv_score_buffer=torch.zeros(P.state_rows(4, 8), 4 * D), kv_score_input=torch.randn(2, 4 * D),
                 ape=torch.randn(8, D), plan=plan, head_dim=D, compress_ratio=4)
     args.update(over)
-    state = args["kv_score_buffer"]
-    before = state.clone()
-    try:
-        return dsv4ops.compress_forward(**args)
-    finally:
-        assert torch.equal(state, before), "an error must be raised before anything is written"
+    return _call_leaving_unchanged(dsv4ops.compress_forward, args, args["kv_score_buffer"])
 
 
 COMPRESS_CASES = {
@@ -119,12 +123,7 @@ def _store(head_dim=512, **over):
                 freq_cis=torch.randn(64, 64), out_loc=I64(3, 4),
                 kvcache=torch.zeros(2, dsv4ops.cache_page_bytes(head_dim, 64), dtype=torch.uint8), page_size=64)
     args.update(over)
-    cache = args["kvcache"]
-    before = cache.clone()
-    try:
-        return dsv4ops.compress_norm_rope_store(**args)
-    finally:
-        assert torch.equal(cache, before), "an error must be raised before anything is written"
+    return _call_leaving_unchanged(dsv4ops.compress_norm_rope_store, args, args["kvcache"])
 
 
 STORE_CASES = {
