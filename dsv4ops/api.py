@@ -36,7 +36,7 @@ from .store import op as _store_op  # noqa: F401
 _ADDRESSING = {"swa": Addressing.SWA_PAGED, "request": Addressing.REQUEST}
 
 
-def _addressing(name: str, compress_ratio: int) -> int:
+def _addressing(name: str) -> int:
     if name not in _ADDRESSING:
         _checks.fail("plan", f"`addressing` must be 'swa' or 'request', got {name!r}")
     return int(_ADDRESSING[name])
@@ -75,7 +75,7 @@ class CompressorDecodePlan(NamedTuple):
     ) -> "CompressorDecodePlan":
         plan_d = torch.ops.dsv4ops.plan_decode(
             req_pool_indices, req_to_token, full_to_state, seq_lens.to(req_pool_indices.device),
-            int(compress_ratio), int(swa_page_size), int(ring_size), _addressing(addressing, compress_ratio),
+            int(compress_ratio), int(swa_page_size), int(ring_size), _addressing(addressing),
         )
         return CompressorDecodePlan(int(compress_ratio), plan_d)
 
@@ -159,7 +159,7 @@ class CompressorPrefillPlan(NamedTuple):
     ) -> "CompressorPrefillPlan":
         return CompressorPrefillPlan._generate(
             compress_ratio, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state,
-            swa_page_size, ring_size, num_q_tokens, _addressing(addressing, compress_ratio),
+            swa_page_size, ring_size, num_q_tokens, _addressing(addressing),
         )
 
     @staticmethod

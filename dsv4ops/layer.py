@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._layout import Addressing, CacheLayout, cache_format, coff, state_row_width, window_len
+from ._layout import Addressing, CacheLayout, cache_format, state_row_width, window_len
 from .api import CompressorDecodePlan, CompressorPrefillPlan, compress_forward, compress_norm_rope_store
 
 _ADDRESSING_NAMES = {Addressing.SWA_PAGED: "swa", Addressing.REQUEST: "request"}
@@ -86,6 +86,9 @@ class DeepSeekV4Compressor(nn.Module):
         self.compress_ratio = compress_ratio
         self.swa_page_size = swa_page_size
         self.ring_size = ring_size if ring_size is not None else window_len(compress_ratio)
+        if Addressing(addressing) not in _ADDRESSING_NAMES:
+            raise ValueError("dsv4ops.DeepSeekV4Compressor: `addressing` must be SWA_PAGED or REQUEST (legacy plans "
+                             "have no req_to_token/full_to_state; call CompressorPrefillPlan.generate_legacy directly)")
         self.addressing = _ADDRESSING_NAMES[Addressing(addressing)]
         self.cache_page_size = cache_page_size
         self.use_fp4 = use_fp4
@@ -101,7 +104,6 @@ class DeepSeekV4Compressor(nn.Module):
         self.register_buffer("state", torch.zeros(state_rows, width, device=device, dtype=state_dtype))
         layout = CacheLayout(cache_format(head_dim, use_fp4, bf16_store), cache_page_size)
         self.register_buffer("kvcache", torch.zeros(cache_pages, layout.page_bytes, device=device, dtype=torch.uint8))
-        assert coff(compress_ratio) * head_dim * 2 == width
 
     def plan(self, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, num_q_tokens):
         r = self.compress_ratio
