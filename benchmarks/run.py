@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import os
-import sys
 from dataclasses import dataclass, field
 
 import torch

@@ -38,6 +38,9 @@ def _compile(fn, types: dict, constexprs: dict, num_warps=4):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
+from dsv4ops._layout import CacheFormat, CacheLayout  # noqa: E402
+
+
 def _kernels():
     from dsv4ops.compress import kernels as ck
     from dsv4ops.planner import kernels as pk
@@ -56,7 +59,9 @@ def test_variant_store_kernel(fmt, head_dim, block_m, is_decode):
     types = dict(kv_ptr="*fp32", plan_ptr="*i32", weight_ptr="*fp32", freqs_ptr="*fp32", out_loc_ptr="*i64",
                  cache_ptr="*u8", num_rows="i32", num_locs="i32", num_freq_rows="i32", num_pages="i32", eps="fp32",
                  log2_page="i32", page_bytes="i32")
-    consts = dict(HEAD_DIM=head_dim, FORMAT=fmt, IS_DECODE=is_decode, RATIO=4, BLOCK_M=block_m)
+    layout = CacheLayout(CacheFormat(fmt), 64)
+    consts = dict(HEAD_DIM=head_dim, FORMAT=fmt, IS_DECODE=is_decode, RATIO=4, SLOT_BYTES=layout.slot_bytes,
+                  SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m)
     _compile(sk._norm_rope_store_kernel, types, consts)
 
 

@@ -113,7 +113,7 @@ def test_online_matches_offline_ratio_128():
     on.tokens[:1] = off.tokens[:1]
     on.ape = off.ape
     for n, decode in [(300, False), (1, True), (90, False)] + [(1, True)] * 100:
-        a = off.step([(0, n)], decode=decode)
+        off.step([(0, n)], decode=decode)
         on.step([(0, n)], decode=decode)
     offline = {(r, n): a.out[row] for a in off.steps for r, n, row in a.emitted}
     assert len(on.emitted) == len(offline) == 3

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .._layout import coff, window_len
+from .._layout import coff
 from .._triton import HAVE_TRITON, cdiv, launch, next_pow2
 
 if HAVE_TRITON:

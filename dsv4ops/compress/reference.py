@@ -119,7 +119,6 @@ def compress_prefill_reference(
     width = 2 * coff(r) * head_dim
     state = kv_score_buffer.view(-1, width)
     num_rows = state.shape[0]
-    num_pages = num_rows // r
     num_inputs = kv_score_input.shape[0]
     device = state.device
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .._layout import MAX_Q_TOKENS, Addressing
+from .._layout import MAX_Q_TOKENS
 from .._triton import HAVE_TRITON, cdiv, launch, next_pow2
 
 ROWS_PER_BLOCK = 1024
@@ -187,10 +187,11 @@ if HAVE_TRITON:
         tl.store(plan_w_ptr + i * 2 + 1, tl.full([BLOCK], -1, tl.int32), mask=pad_w)
 
 
-def _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing):
+def _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing, device):
+    """Kernel arguments of ``_state_row``; absent tables become never-read one-element placeholders."""
     has_table = req_to_token is not None
-    r2t = req_to_token if has_table else torch.empty(1, 1, dtype=torch.int32)
-    f2s = full_to_state if full_to_state is not None else torch.empty(1, dtype=torch.int64)
+    r2t = req_to_token if has_table else torch.empty(1, 1, dtype=torch.int32, device=device)
+    f2s = full_to_state if full_to_state is not None else torch.empty(1, dtype=torch.int64, device=device)
     tensors = (r2t, r2t.stride(0), r2t.shape[0], r2t.shape[1], f2s, f2s.shape[0], max(swa_page_size, 1),
                max(ring_size, 1))
     meta = dict(RATIO=compress_ratio, ADDRESSING=int(addressing), HAS_TABLE=has_table)
@@ -201,8 +202,8 @@ def plan_decode(req_pool_indices, req_to_token, full_to_state, seq_lens, compres
                 addressing) -> torch.Tensor:
     bs = req_pool_indices.shape[0]
     plan = torch.empty((bs, 4), dtype=torch.int32, device=req_pool_indices.device)
-    tensors, meta = _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing)
-    tensors = tuple(t.to(req_pool_indices.device) if isinstance(t, torch.Tensor) else t for t in tensors)
+    tensors, meta = _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing,
+                                 req_pool_indices.device)
     block = 128
     launch(_plan_decode_kernel)[(cdiv(bs, block),)](
         req_pool_indices, seq_lens, plan, bs, *tensors, BLOCK=block, **meta, num_warps=4,
@@ -219,8 +220,8 @@ def plan_prefill(req_pool_indices, req_to_token, full_to_state, seq_lens, extend
     ends = torch.cumsum(torch.clamp_min(extend_lens.to(torch.int64), 0), 0)  # ragged end offset of each request
     num_blocks = cdiv(num_q_tokens, ROWS_PER_BLOCK)
     counts = torch.empty((MAX_BLOCKS * 2,), dtype=torch.int32, device=device)
-    tensors, meta = _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing)
-    tensors = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors)
+    tensors, meta = _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing,
+                                 device)
     meta.update(LOG2_MAX_BS=MAX_Q_TOKENS.bit_length() + 1, BLOCK=ROWS_PER_BLOCK)
     rows = (num_q_tokens, ends, bs, req_pool_indices, seq_lens, extend_lens, *tensors)
     launch(_count_rows_kernel)[(num_blocks,)](counts, *rows, **meta, num_warps=4)

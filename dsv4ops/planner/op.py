@@ -18,6 +18,19 @@ from . import kernels
 from .reference import plan_decode_reference, plan_prefill_reference
 
 
+def _validate_decode(req_pool_indices, req_to_token, full_to_state, seq_lens, compress_ratio, swa_page_size, ring_size,
+                     addressing):
+    _checks.check_plan_inputs("plan_decode", req_pool_indices, req_to_token, full_to_state, seq_lens, None,
+                              compress_ratio, swa_page_size, ring_size, addressing)
+
+
+def _validate_prefill(req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, num_q_tokens,
+                      compress_ratio, swa_page_size, ring_size, addressing):
+    _checks.check_plan_inputs("plan_prefill", req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens,
+                              compress_ratio, swa_page_size, ring_size, addressing)
+    _checks.check_num_q_tokens("plan_prefill", num_q_tokens)
+
+
 @triton_op("dsv4ops::plan_decode", mutates_args=())
 def plan_decode(
     req_pool_indices: torch.Tensor,
@@ -30,10 +43,8 @@ def plan_decode(
     addressing: int,
 ) -> torch.Tensor:
     """DecodePlan ``[bs, 16]`` uint8 for the token at ``seq_lens[b] - 1`` of every request."""
-    _checks.check_plan_inputs(
-        "plan_decode", req_pool_indices, req_to_token, full_to_state, seq_lens, None,
-        compress_ratio, swa_page_size, ring_size, addressing,
-    )
+    _validate_decode(req_pool_indices, req_to_token, full_to_state, seq_lens, compress_ratio, swa_page_size, ring_size,
+                     addressing)
     args = (req_pool_indices, req_to_token, full_to_state, seq_lens, compress_ratio, swa_page_size, ring_size, addressing)
     if use_triton(req_pool_indices):
         return kernels.plan_decode(*args)
@@ -42,10 +53,8 @@ def plan_decode(
 
 @plan_decode.register_fake
 def _plan_decode_fake(req_pool_indices, req_to_token, full_to_state, seq_lens, compress_ratio, swa_page_size, ring_size, addressing):
-    _checks.check_plan_inputs(
-        "plan_decode", req_pool_indices, req_to_token, full_to_state, seq_lens, None,
-        compress_ratio, swa_page_size, ring_size, addressing,
-    )
+    _validate_decode(req_pool_indices, req_to_token, full_to_state, seq_lens, compress_ratio, swa_page_size, ring_size,
+                     addressing)
     return req_pool_indices.new_empty((req_pool_indices.shape[0], 16), dtype=torch.uint8)
 
 
@@ -63,11 +72,8 @@ def plan_prefill(
     addressing: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(CompressPlan ``[num_q_tokens, 16]``, WritePlan ``[num_q_tokens, 8]``), uint8, padded."""
-    _checks.check_plan_inputs(
-        "plan_prefill", req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens,
-        compress_ratio, swa_page_size, ring_size, addressing,
-    )
-    _checks.check_num_q_tokens("plan_prefill", num_q_tokens)
+    _validate_prefill(req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, num_q_tokens,
+                      compress_ratio, swa_page_size, ring_size, addressing)
     args = (
         req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, num_q_tokens,
         compress_ratio, swa_page_size, ring_size, addressing,
@@ -82,11 +88,8 @@ def _plan_prefill_fake(
     req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, num_q_tokens,
     compress_ratio, swa_page_size, ring_size, addressing,
 ):
-    _checks.check_plan_inputs(
-        "plan_prefill", req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens,
-        compress_ratio, swa_page_size, ring_size, addressing,
-    )
-    _checks.check_num_q_tokens("plan_prefill", num_q_tokens)
+    _validate_prefill(req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, num_q_tokens,
+                      compress_ratio, swa_page_size, ring_size, addressing)
     plan_c = req_pool_indices.new_empty((num_q_tokens, 16), dtype=torch.uint8)
     plan_w = req_pool_indices.new_empty((num_q_tokens, 8), dtype=torch.uint8)
     return plan_c, plan_w

@@ -82,13 +82,10 @@ if HAVE_TRITON:
         kv_ptr, plan_ptr, weight_ptr, freqs_ptr, out_loc_ptr, cache_ptr,
         num_rows, num_locs, num_freq_rows, num_pages, eps, log2_page, page_bytes,
         HEAD_DIM: tl.constexpr, FORMAT: tl.constexpr, IS_DECODE: tl.constexpr, RATIO: tl.constexpr,
-        BLOCK_M: tl.constexpr,
+        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
         D: tl.constexpr = HEAD_DIM
         HALF: tl.constexpr = HEAD_DIM // 2
-        # bytes per token payload and per scale record, by format (see _layout.CacheLayout)
-        SLOT_BYTES: tl.constexpr = 576 if FORMAT == 0 else (1024 if FORMAT == 1 else (128 if FORMAT == 2 else 64))
-        SCALE_STRIDE: tl.constexpr = 8 if FORMAT == 0 else (0 if FORMAT == 1 else 4)
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         in_rows = rows < num_rows
 
@@ -190,6 +187,6 @@ def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is
         kv.shape[0], out_loc.shape[0], freqs.shape[0], kvcache.numel() // layout.page_bytes, fp32(norm_eps),
         page_size.bit_length() - 1, layout.page_bytes,
         HEAD_DIM=head_dim, FORMAT=int(layout.format), IS_DECODE=bool(is_decode), RATIO=int(compress_ratio),
-        BLOCK_M=block_m,
+        SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m,
         num_warps=4,
     )

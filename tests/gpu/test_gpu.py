@@ -18,7 +18,7 @@ import torch
 
 import dsv4ops  # noqa: F401
 from dsv4ops._layout import CacheLayout, cache_format
-from dsv4ops.layer import DeepSeekV4Compressor, mark_dynamic_tokens
+from dsv4ops.layer import DeepSeekV4Compressor
 from dsv4ops.testing import PagedPools, make_batch
 
 from _asserts import assert_caches_equivalent, assert_same_bits
