@@ -1,18 +1,40 @@
 """Triton kernels for ``compress_forward`` (offline state, ratio 4 and 128).
 
-* decode: one program per (batch row, channel block). It writes its channel slice
-  of the new row into the ring, then, at a chunk boundary, pools the window. The
-  row it just wrote is taken from the input (rounded to the state dtype) instead of
-  being read back, which is what reading it back would give and needs no barrier.
-* prefill: pass 1 pools every CompressPlan row (window rows from the ring when
-  ``w < buffer_len``, else from the input); pass 2, a second launch, copies the
-  WritePlan rows into the ring. Launch order on the stream keeps every pass-1 read
-  ahead of every pass-2 write.
+Decode (one DecodePlan row per request): ``_decode_kernel``, one program per
+(request, channel block). It writes its slice of the new row into the ring, then, at
+a chunk boundary, pools the window. The row it just wrote is taken from the input
+(rounded to the state dtype) instead of being read back: that is what reading it back
+gives, and it needs no barrier.
 
-Pooling is an online (streaming) softmax over window tiles, in fp32.
+Prefill, pass 1 (pooling, every CompressPlan row):
+
+* ratio 4 (``_pool_c4_kernel``): one program per block of ``BLOCK_E`` consecutive
+  plan rows x ``BLOCK_D`` channels. Each of the 8 window rows is one 2-D tile
+  ``[BLOCK_E, BLOCK_D]`` (contiguous channels of one input or state row per event);
+  all 16 tiles (kv and score) are loaded before any arithmetic, so a program has all
+  of its bytes in flight at once, and the softmax is a two-pass one over registers.
+  Consecutive events of one request read consecutive input rows, so a program
+  streams a contiguous slab of the input.
+* ratio 128 (``_pool_c128_kernel``): a window is 128 rows, and a 16K-token prefill
+  has only ~128 events among 16K plan rows (the rest is padding). A grid sized by
+  plan rows would be mostly empty programs, and one program per event and channel
+  block gives too little parallelism for short prefills. So the grid is fixed
+  (``C128_PROGRAMS`` programs along rows x channel blocks): program ``g`` owns plan
+  rows ``g, g + G, g + 2G, ...``; it reads their words in vectors of ``CHUNK``,
+  writes zeros for the padding rows among them in one wide store, and pools each of
+  its valid events with all 128 x ``BLOCK_D`` window values in flight (kv, score and
+  ape tiles for the whole window are loaded before the softmax).
+
+Prefill, pass 2 (``_write_kernel``, a second launch): copy the WritePlan rows into the
+ring. Launch order on the stream keeps every pass-1 read ahead of every pass-2 write.
+
+All pooling is fp32: ``out = sum_w exp(s_w - m) v_w / sum_w exp(s_w - m)`` per channel.
+Rows that produce no compressed token are written as zeros.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -25,177 +47,260 @@ if HAVE_TRITON:
 
     from .._triton_formats import cast_rne
 
+    # ------------------------------------------------------------------ plan decoding
     @triton.jit
-    def _window_rows(w, page0, page1, RATIO: tl.constexpr):
-        """State row of window rows ``w``: ratio 4 reads page0 (w < 4) then page1; ratio 128 page1."""
-        if RATIO == 4:
-            return tl.where(w < 4, page0 * 4 + w, page1 * 4 + (w - 4))
-        else:
-            return page1 * RATIO + w
-
-    @triton.jit
-    def _part_offsets(w, D: tl.constexpr, RATIO: tl.constexpr):
-        """Column offsets of the kv and score parts used by window rows ``w``."""
-        if RATIO == 4:  # rows 0..3: [kv_A | . | score_A | .], rows 4..7: [. | kv_B | . | score_B]
-            kv_off = tl.where(w < 4, 0, D)
-            return kv_off, kv_off + 2 * D
-        else:
-            return w * 0, w * 0 + D
+    def _compress_plan_rows(plan_ptr, k, in_plan):
+        """Fields of CompressPlan rows ``k``: (word0, seq_len int64, ragged, buffer_len, page0, page1)."""
+        word0 = tl.load(plan_ptr + k * 4, mask=in_plan, other=-1)
+        word1 = tl.load(plan_ptr + k * 4 + 1, mask=in_plan, other=0)
+        page0 = tl.load(plan_ptr + k * 4 + 2, mask=in_plan, other=-1).to(tl.int64)
+        page1 = tl.load(plan_ptr + k * 4 + 3, mask=in_plan, other=-1).to(tl.int64)
+        seq_len = word0.to(tl.int64) & 0xFFFFFFFF
+        ragged = (word1 & 0xFFFF).to(tl.int64)
+        buffer_len = ((word1 >> 16) & 0xFFFF).to(tl.int64)
+        return word0, seq_len, ragged, buffer_len, page0, page1
 
     @triton.jit
-    def _softmax_step(m, l, acc, score, kv, present):
-        """Fold a tile ``[BLOCK_W, BLOCK_D]`` into the running (max, denominator, numerator)."""
-        score = tl.where(present, score, float("-inf"))
-        m_new = tl.maximum(m, tl.max(score, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.where(present, tl.exp(score - m_new[None, :]), 0.0)
-        l = l * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p * tl.where(present, kv, 0.0), axis=0)
-        return m_new, l, acc
+    def _c4_event_valid(word0, seq_len, ragged, buffer_len, page0, page1, num_state_rows, num_inputs):
+        """A ratio-4 CompressPlan row is pooled only if every window row it needs is in range.
 
-    @triton.jit
-    def _compress_decode_kernel(
-        state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_state_rows,
-        HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
-    ):
-        D: tl.constexpr = HEAD_DIM
-        PARTS: tl.constexpr = 4 if RATIO == 4 else 2
-        WIDTH: tl.constexpr = PARTS * HEAD_DIM
-        W: tl.constexpr = 8 if RATIO == 4 else RATIO
-        b = tl.program_id(0).to(tl.int64)
-        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        seq_len = tl.load(plan_ptr + b * 4).to(tl.int64) & 0xFFFFFFFF
-        write_loc = tl.load(plan_ptr + b * 4 + 1).to(tl.int64)
-        page0 = tl.load(plan_ptr + b * 4 + 2).to(tl.int64)
-        page1 = tl.load(plan_ptr + b * 4 + 3).to(tl.int64)
-        num_pages = num_state_rows // RATIO
-        live = (write_loc >= 0) & (write_loc < num_state_rows)
-
-        # 1. write this channel slice of every part of the new row into the ring
-        for part in tl.static_range(PARTS):
-            v = tl.load(input_ptr + b * WIDTH + part * D + d, mask=d_ok)
-            tl.store(state_ptr + write_loc * WIDTH + part * D + d, cast_rne(v.to(tl.float32), state_ptr.dtype.element_ty),
-                     mask=d_ok & live)
-
-        # 2. pool the window when this token completes a chunk
-        emits = live & (seq_len % RATIO == 0) & (seq_len >= RATIO) & (page1 >= 0) & (page1 < num_pages)
+        Window rows ``w < buffer_len`` come from the ring (page0 slots for w < 4, page1 slots
+        for w >= 4), the others from input rows ``ragged - 7 + w``; rows 0..3 do not exist
+        for the first chunk (``seq_len <= 4``).
+        """
         has_overlap = seq_len > 4
-        if RATIO == 4:
-            emits = emits & (~has_overlap | ((page0 >= 0) & (page0 < num_pages)))
-        m = tl.full([BLOCK_D], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_D], tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        if emits:
-            for w0 in tl.static_range(0, W, BLOCK_W):
-                w = w0 + tl.arange(0, BLOCK_W)
-                row = _window_rows(w, page0, page1, RATIO)
-                kv_off, score_off = _part_offsets(w, D, RATIO)
-                exists = w < W
-                if RATIO == 4:
-                    exists = exists & ((w >= 4) | has_overlap)
-                present = exists[:, None] & d_ok[None, :]
-                is_new = (row == write_loc)[:, None]  # the row written above: use the input, rounded as stored
-                at_state = state_ptr + row[:, None] * WIDTH + d[None, :]
-                at_input = input_ptr + b * WIDTH + d[None, :]
-                kv = tl.load(at_state + kv_off[:, None], mask=present & ~is_new, other=0.0).to(tl.float32)
-                score = tl.load(at_state + score_off[:, None], mask=present & ~is_new, other=0.0).to(tl.float32)
-                new_kv = tl.load(at_input + kv_off[:, None], mask=present & is_new, other=0.0)
-                new_score = tl.load(at_input + score_off[:, None], mask=present & is_new, other=0.0)
-                dtype = state_ptr.dtype.element_ty
-                kv = tl.where(is_new, cast_rne(new_kv.to(tl.float32), dtype).to(tl.float32), kv)
-                score = tl.where(is_new, cast_rne(new_score.to(tl.float32), dtype).to(tl.float32), score)
-                ape = tl.load(ape_ptr + w[:, None] * D + d[None, :], mask=present, other=0.0).to(tl.float32)
-                m, l, acc = _softmax_step(m, l, acc, score + ape, kv, present)
-            result = acc / l
-        else:
-            result = tl.zeros([BLOCK_D], tl.float32)
-        tl.store(out_ptr + b * D + d, cast_rne(result, out_ptr.dtype.element_ty), mask=d_ok)
+        valid = (word0 != -1) & (seq_len >= 4) & (buffer_len <= 8)
+        from_page0 = tl.minimum(buffer_len, 4)
+        valid &= ~(has_overlap & (buffer_len > 0)) | ((page0 >= 0) & (page0 * 4 + from_page0 - 1 < num_state_rows))
+        valid &= (buffer_len <= 4) | ((page1 >= 0) & (page1 * 4 + buffer_len - 5 < num_state_rows))
+        first_input = tl.maximum(buffer_len, tl.where(has_overlap, 0, 4))
+        valid &= (first_input >= 8) | ((ragged - 7 + first_input >= 0) & (ragged < num_inputs))
+        return valid, has_overlap
 
     @triton.jit
-    def _compress_prefill_pool_kernel(
-        state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs,
-        HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_W: tl.constexpr,
-    ):
-        """``BLOCK_E`` consecutive CompressPlan rows x ``BLOCK_D`` channels per program.
+    def _c128_event_valid(word0, seq_len, ragged, buffer_len, page1, num_state_rows, num_inputs):
+        """Ratio 128: rows ``j < buffer_len`` from page1 of the ring, the rest from input rows ``ragged - 127 + j``."""
+        valid = (word0 != -1) & (seq_len >= 128) & (buffer_len <= 128)
+        valid &= (buffer_len == 0) | ((page1 >= 0) & (page1 * 128 + buffer_len - 1 < num_state_rows))
+        valid &= (buffer_len >= 128) | ((ragged - 127 + buffer_len >= 0) & (ragged < num_inputs))
+        return valid
 
-        Batching events amortizes the ape tile and the plan decoding, and for ratio 4
-        lets one program stream a contiguous run of input rows (A and B halves of
-        consecutive tokens belong to consecutive events).
+    # ------------------------------------------------------------------ decode
+    @triton.jit
+    def decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
+                   HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
+        """Decode one request for channels ``d``: write its new row into the ring, pool at a chunk end.
+
+        Writes ``out[b, d]`` (zeros when nothing is emitted). Shared by ``_decode_kernel``
+        and the fused decode step (``dsv4ops/decode_step``).
         """
         D: tl.constexpr = HEAD_DIM
         PARTS: tl.constexpr = 4 if RATIO == 4 else 2
         WIDTH: tl.constexpr = PARTS * HEAD_DIM
         W: tl.constexpr = 8 if RATIO == 4 else RATIO
+        STEPS: tl.constexpr = W // BLOCK_W
+        num_pages = num_state_rows // RATIO
+        live = (write_loc >= 0) & (write_loc < num_state_rows)
+        dtype = state_ptr.dtype.element_ty
+
+        # 1. write this channel slice of every part of the new row into the ring
+        new_row = input_ptr + b * WIDTH + d
+        parts = ()
+        for part in tl.static_range(PARTS):
+            v = cast_rne(tl.load(new_row + part * D).to(tl.float32), dtype)
+            tl.store(state_ptr + write_loc * WIDTH + part * D + d, v, mask=(d < D) & live)
+            parts = parts + (v.to(tl.float32),)
+
+        # 2. pool the window when this token completes a chunk
+        has_overlap = seq_len > 4
+        emits = live & (seq_len % RATIO == 0) & (seq_len >= RATIO) & (page1 >= 0) & (page1 < num_pages)
+        if RATIO == 4:
+            emits = emits & (~has_overlap | ((page0 >= 0) & (page0 < num_pages)))
+        result = tl.zeros([BLOCK_D], tl.float32)
+        if emits:
+            scores = ()
+            values = ()
+            for step in tl.static_range(STEPS):
+                w = step * BLOCK_W + tl.arange(0, BLOCK_W)
+                if RATIO == 4:
+                    row = tl.where(w < 4, page0 * 4 + w, page1 * 4 + (w - 4))
+                    kv_col = tl.where(w < 4, 0, D)[:, None]
+                    score_col = kv_col + 2 * D
+                    present = ((w >= 4) | has_overlap)[:, None]
+                else:
+                    row = page1 * RATIO + w
+                    kv_col = 0
+                    score_col = D
+                    present = (w >= 0)[:, None]
+                is_new = (row == write_loc)[:, None]  # the row written above: use it as stored
+                at = state_ptr + row[:, None] * WIDTH + d[None, :]
+                kv = tl.load(at + kv_col, mask=present & ~is_new, other=0.0).to(tl.float32)
+                score = tl.load(at + score_col, mask=present & ~is_new, other=0.0).to(tl.float32)
+                if RATIO == 4:
+                    new_kv = tl.where((w < 4)[:, None], parts[0][None, :], parts[1][None, :])
+                    new_score = tl.where((w < 4)[:, None], parts[2][None, :], parts[3][None, :])
+                else:
+                    new_kv = parts[0][None, :]
+                    new_score = parts[1][None, :]
+                kv = tl.where(is_new, new_kv, kv)
+                score = tl.where(is_new, new_score, score)
+                ape = tl.load(ape_ptr + w[:, None] * D + d[None, :]).to(tl.float32)
+                scores = scores + (tl.where(present, score + ape, float("-inf")),)
+                values = values + (kv,)
+            m = tl.max(scores[0], axis=0)
+            for step in tl.static_range(1, STEPS):
+                m = tl.maximum(m, tl.max(scores[step], axis=0))
+            num = tl.zeros([BLOCK_D], tl.float32)
+            den = tl.zeros([BLOCK_D], tl.float32)
+            for step in tl.static_range(STEPS):
+                e = tl.exp(scores[step] - m[None, :])
+                den += tl.sum(e, axis=0)
+                num += tl.sum(e * values[step], axis=0)
+            result = num / den
+        tl.store(out_ptr + b * D + d, cast_rne(result, out_ptr.dtype.element_ty), mask=d < D)
+
+    @triton.jit
+    def _decode_kernel(
+        state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_state_rows,
+        HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        seq_len = tl.load(plan_ptr + b * 4).to(tl.int64) & 0xFFFFFFFF
+        write_loc = tl.load(plan_ptr + b * 4 + 1).to(tl.int64)
+        page0 = tl.load(plan_ptr + b * 4 + 2).to(tl.int64)
+        page1 = tl.load(plan_ptr + b * 4 + 3).to(tl.int64)
+        decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
+                   HEAD_DIM, RATIO, BLOCK_D, BLOCK_W)
+
+    # ------------------------------------------------------------------ prefill, ratio 4
+    @triton.jit
+    def _pool_c4_kernel(
+        state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs,
+        HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        D: tl.constexpr = HEAD_DIM
+        WIDTH: tl.constexpr = 4 * HEAD_DIM
         k = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_ok = d < D
         in_plan = k < num_events
-        word0 = tl.load(plan_ptr + k * 4, mask=in_plan, other=-1)
-        word1 = tl.load(plan_ptr + k * 4 + 1, mask=in_plan, other=0).to(tl.int64)
-        page0 = tl.load(plan_ptr + k * 4 + 2, mask=in_plan, other=-1).to(tl.int64)
-        page1 = tl.load(plan_ptr + k * 4 + 3, mask=in_plan, other=-1).to(tl.int64)
-        seq_len = word0.to(tl.int64) & 0xFFFFFFFF
-        ragged = word1 & 0xFFFF
-        buffer_len = (word1 >> 16) & 0xFFFF
-        has_overlap = seq_len > 4
-        valid = (word0 != -1) & (seq_len >= RATIO) & (buffer_len <= W)
-
-        # every window row must be readable: from the ring (w < buffer_len) or from the input
-        w_all = tl.arange(0, W)[None, :]
-        exists = w_all < W
-        if RATIO == 4:
-            exists = exists & ((w_all >= 4) | has_overlap[:, None])
-        from_state = w_all < buffer_len[:, None]
-        row = _window_rows(w_all, page0[:, None], page1[:, None], RATIO)
-        src = ragged[:, None] - (W - 1) + w_all
-        bad = exists & tl.where(from_state, (row < 0) | (row >= num_state_rows), (src < 0) | (src >= num_inputs))
-        valid = valid & (tl.sum(bad.to(tl.int32), axis=1) == 0)
+        word0, seq_len, ragged, buffer_len, page0, page1 = _compress_plan_rows(plan_ptr, k, in_plan)
+        valid, has_overlap = _c4_event_valid(word0, seq_len, ragged, buffer_len, page0, page1,
+                                             num_state_rows, num_inputs)
 
         result = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
         # plans are padded to num_q_tokens rows, valid rows first: blocks of padding only write zeros
         if tl.max(valid.to(tl.int32), axis=0) > 0:
-            m = tl.full([BLOCK_E, BLOCK_D], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
-            acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
-            for w0 in tl.static_range(0, W, BLOCK_W):
-                w = w0 + tl.arange(0, BLOCK_W)
-                present_w = valid[:, None] & (w < W)[None, :]
-                if RATIO == 4:
-                    present_w = present_w & ((w >= 4)[None, :] | has_overlap[:, None])
-                present = present_w[:, :, None] & d_ok[None, None, :]
-                in_state = (w[None, :] < buffer_len[:, None])[:, :, None]
-                kv_off, score_off = _part_offsets(w, D, RATIO)
-                state_row = _window_rows(w[None, :], page0[:, None], page1[:, None], RATIO)
-                at_state = state_ptr + state_row[:, :, None] * WIDTH + d[None, None, :]
-                at_input = input_ptr + (ragged[:, None] - (W - 1) + w[None, :])[:, :, None] * WIDTH + d[None, None, :]
-                kv_off = kv_off[None, :, None]
-                score_off = score_off[None, :, None]
-                kv = tl.where(
-                    in_state,
-                    tl.load(at_state + kv_off, mask=present & in_state, other=0.0).to(tl.float32),
-                    tl.load(at_input + kv_off, mask=present & ~in_state, other=0.0).to(tl.float32),
-                )
-                score = tl.where(
-                    in_state,
-                    tl.load(at_state + score_off, mask=present & in_state, other=0.0).to(tl.float32),
-                    tl.load(at_input + score_off, mask=present & ~in_state, other=0.0).to(tl.float32),
-                )
-                ape = tl.load(ape_ptr + w[:, None] * D + d[None, :], mask=(w < W)[:, None] & d_ok[None, :], other=0.0)
-                score = tl.where(present, score + ape.to(tl.float32)[None, :, :], float("-inf"))
-                m_new = tl.maximum(m, tl.max(score, axis=1))
-                alpha = tl.exp(m - m_new)
-                p = tl.where(present, tl.exp(score - m_new[:, None, :]), 0.0)
-                l = l * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha + tl.sum(p * kv, axis=1)
-                m = m_new
-            result = tl.where(valid[:, None], acc / l, 0.0)
+            window_input = input_ptr + (ragged - 7)[:, None] * WIDTH + d[None, :]  # input row of window row 0
+            ring0 = state_ptr + (page0 * 4)[:, None] * WIDTH + d[None, :]
+            ring1 = state_ptr + (page1 * 4)[:, None] * WIDTH + d[None, :]
+            scores = ()
+            values = ()
+            for w in tl.static_range(8):
+                # window rows 0..3 use the A quarters [kv_A | . | score_A | .] of the previous chunk,
+                # rows 4..7 the B quarters [. | kv_B | . | score_B] of the current one
+                kv_col = 0 if w < 4 else D
+                if w < 4:
+                    present = valid & has_overlap
+                    ring_row = ring0 + w * WIDTH
+                else:
+                    present = valid
+                    ring_row = ring1 + (w - 4) * WIDTH
+                from_ring = (buffer_len > w)[:, None]
+                from_input = (present[:, None]) & ~from_ring
+                from_ring = present[:, None] & from_ring
+                at = window_input + w * WIDTH + kv_col
+                kv = tl.where(from_ring, tl.load(ring_row + kv_col, mask=from_ring, other=0.0).to(tl.float32),
+                              tl.load(at, mask=from_input, other=0.0).to(tl.float32))
+                score = tl.where(from_ring, tl.load(ring_row + kv_col + 2 * D, mask=from_ring, other=0.0).to(tl.float32),
+                                 tl.load(at + 2 * D, mask=from_input, other=0.0).to(tl.float32))
+                ape = tl.load(ape_ptr + w * D + d).to(tl.float32)
+                scores = scores + (tl.where(present[:, None], score + ape[None, :], float("-inf")),)
+                values = values + (kv,)
+            m = scores[4]  # rows 4..7 always exist for a valid event
+            for w in tl.static_range(8):
+                if w != 4:
+                    m = tl.maximum(m, scores[w])
+            m = tl.where(valid[:, None], m, 0.0)
+            num = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+            den = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+            for w in tl.static_range(8):
+                e = tl.exp(scores[w] - m)
+                den += e
+                num += e * values[w]
+            result = tl.where(valid[:, None], num / den, 0.0)
         tl.store(out_ptr + k[:, None] * D + d[None, :], cast_rne(result, out_ptr.dtype.element_ty),
-                 mask=in_plan[:, None] & d_ok[None, :])
+                 mask=in_plan[:, None])
+
+    # ------------------------------------------------------------------ prefill, ratio 128
+    @triton.jit
+    def _pool_c128_event(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
+                         HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Pool one ratio-128 window for channels ``d``: rows ``j < buffer_len`` from the ring, the rest from the input."""
+        D: tl.constexpr = HEAD_DIM
+        WIDTH: tl.constexpr = 2 * HEAD_DIM
+        STEPS: tl.constexpr = 128 // BLOCK_W
+        scores = ()
+        values = ()
+        for step in tl.static_range(STEPS):
+            j = step * BLOCK_W + tl.arange(0, BLOCK_W)
+            at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
+            from_ring = (j < buffer_len)[:, None]
+            if buffer_len > step * BLOCK_W:  # part of this tile was written by an earlier forward
+                ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
+                kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
+                              tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
+                score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
+                                 tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
+            else:
+                kv = tl.load(at).to(tl.float32)
+                score = tl.load(at + D).to(tl.float32)
+            ape = tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
+            scores = scores + (score + ape,)
+            values = values + (kv,)
+        m = tl.max(scores[0], axis=0)
+        for step in tl.static_range(1, STEPS):
+            m = tl.maximum(m, tl.max(scores[step], axis=0))
+        num = tl.zeros([BLOCK_D], tl.float32)
+        den = tl.zeros([BLOCK_D], tl.float32)
+        for step in tl.static_range(STEPS):
+            e = tl.exp(scores[step] - m[None, :])
+            den += tl.sum(e, axis=0)
+            num += tl.sum(e * values[step], axis=0)
+        return num / den
 
     @triton.jit
-    def _compress_prefill_write_kernel(
+    def _pool_c128_kernel(
+        state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs, num_programs,
+        HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    ):
+        D: tl.constexpr = HEAD_DIM
+        g = tl.program_id(0)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        out_dtype = out_ptr.dtype.element_ty
+        # this program's rows are g, g + G, g + 2G, ... below num_events
+        for first in range(0, tl.cdiv(num_events, num_programs), CHUNK):
+            t = first + tl.arange(0, CHUNK)
+            k = g + t.to(tl.int64) * num_programs
+            in_plan = k < num_events
+            word0, seq_len, ragged, buffer_len, page0, page1 = _compress_plan_rows(plan_ptr, k, in_plan)
+            valid = in_plan & _c128_event_valid(word0, seq_len, ragged, buffer_len, page1, num_state_rows, num_inputs)
+            zero = tl.zeros([CHUNK, BLOCK_D], tl.float32)
+            tl.store(out_ptr + k[:, None] * D + d[None, :], zero.to(out_dtype), mask=(in_plan & ~valid)[:, None])
+            # pool the valid rows of this chunk one after the other (the i-th valid row, by rank)
+            rank = tl.cumsum(valid.to(tl.int32), axis=0) - 1
+            for i in range(tl.sum(valid.to(tl.int32), axis=0)):
+                pick = valid & (rank == i)
+                row = tl.sum(tl.where(pick, k, 0), axis=0)
+                pooled = _pool_c128_event(
+                    state_ptr, input_ptr, ape_ptr, tl.sum(tl.where(pick, ragged, 0), axis=0),
+                    tl.sum(tl.where(pick, buffer_len, 0), axis=0), tl.sum(tl.where(pick, page1, 0), axis=0), d,
+                    HEAD_DIM, BLOCK_W, BLOCK_D)
+                tl.store(out_ptr + row * D + d, cast_rne(pooled, out_dtype))
+
+    # ------------------------------------------------------------------ prefill, pass 2
+    @triton.jit
+    def _write_kernel(
         state_ptr, input_ptr, plan_ptr, num_writes, num_state_rows, num_inputs,
         WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
@@ -204,19 +309,38 @@ if HAVE_TRITON:
         src = tl.load(plan_ptr + r * 2, mask=in_plan, other=-1).to(tl.int64) & 0xFFFFFFFF
         dst = tl.load(plan_ptr + r * 2 + 1, mask=in_plan, other=-1).to(tl.int64)
         live = in_plan & (src < num_inputs) & (dst >= 0) & (dst < num_state_rows)
-        for c0 in tl.static_range(0, WIDTH, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            mask = live[:, None] & (c < WIDTH)[None, :]
-            v = tl.load(input_ptr + src[:, None] * WIDTH + c[None, :], mask=mask)
-            tl.store(state_ptr + dst[:, None] * WIDTH + c[None, :], cast_rne(v.to(tl.float32), state_ptr.dtype.element_ty), mask=mask)
+        if tl.max(live.to(tl.int32), axis=0) > 0:
+            for c0 in tl.static_range(0, WIDTH, BLOCK_C):
+                c = c0 + tl.arange(0, BLOCK_C)
+                v = tl.load(input_ptr + src[:, None] * WIDTH + c[None, :], mask=live[:, None])
+                tl.store(state_ptr + dst[:, None] * WIDTH + c[None, :],
+                         cast_rne(v.to(tl.float32), state_ptr.dtype.element_ty), mask=live[:, None])
 
 
-def _block_d(head_dim: int) -> int:
-    return min(128, next_pow2(head_dim))
+# ---------------------------------------------------------------------- launch parameters
+#: decode: channels per program
+DECODE_BLOCK_D = {4: 128, 128: 64}
+#: ratio-4 pooling tile: (events per program, channels per program, warps)
+C4_TILE = (16, 64, 4)
+#: ratio-128 pooling: (window rows per tile, channels per program, plan rows read per vector, warps)
+C128_TILE = (32, 32, 32, 4)
+#: ratio-128 pooling: programs along the plan rows (times the channel blocks); fixed, so no
+#: data-dependent grid: each program walks the plan rows ``g, g + G, ...``
+C128_PROGRAMS = 256
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # the interpreter runs programs one after the other: fewer, longer programs keep CI fast and
+    # exercise the several-rows-per-program path (the GPU grid is wide enough that most own one event)
+    C128_PROGRAMS = 8
+#: write pass: (rows per program, columns per step)
+WRITE_TILE = (8, 1024)
 
 
-#: prefill pooling tile per ratio: (events per program, window rows per step, channels, warps)
-PREFILL_POOL_TILE = {4: (16, 8, 64, 4), 128: (1, 32, 128, 4)}
+def _channel_block(head_dim: int, wanted: int) -> int:
+    """Largest power of two <= ``wanted`` that divides ``head_dim`` (kernels need no channel masks)."""
+    block = min(wanted, next_pow2(head_dim))
+    while head_dim % block:
+        block //= 2
+    return block
 
 
 def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out, head_dim, compress_ratio) -> None:
@@ -224,24 +348,31 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
     r = compress_ratio
     width = 2 * coff(r) * head_dim
     num_rows = kv_score_buffer.numel() // width
-    block_d = _block_d(head_dim)
-    block_w = 8 if r == 4 else 32
-    grid = (plan.shape[0], cdiv(head_dim, block_d))
+    words = plan.view(torch.int32)
     if write_plan is None:
-        launch(_compress_decode_kernel)[grid](
-            kv_score_buffer, kv_score_input, ape, plan.view(torch.int32), out, num_rows,
-            HEAD_DIM=head_dim, RATIO=r, BLOCK_D=block_d, BLOCK_W=block_w, num_warps=4,
+        block_d = _channel_block(head_dim, DECODE_BLOCK_D[r])
+        launch(_decode_kernel)[(plan.shape[0], cdiv(head_dim, block_d))](
+            kv_score_buffer, kv_score_input, ape, words, out, num_rows,
+            HEAD_DIM=head_dim, RATIO=r, BLOCK_D=block_d, BLOCK_W=8 if r == 4 else 32, num_warps=4,
         )
         return
-    events, rows, channels, warps = PREFILL_POOL_TILE[r]
-    channels = min(channels, next_pow2(head_dim))
-    launch(_compress_prefill_pool_kernel)[(cdiv(plan.shape[0], events), cdiv(head_dim, channels))](
-        kv_score_buffer, kv_score_input, ape, plan.view(torch.int32), out, plan.shape[0], num_rows,
-        kv_score_input.shape[0], HEAD_DIM=head_dim, RATIO=r, BLOCK_E=events, BLOCK_D=channels, BLOCK_W=rows,
-        num_warps=warps,
-    )
-    block_r = 4
-    launch(_compress_prefill_write_kernel)[(cdiv(write_plan.shape[0], block_r),)](
-        kv_score_buffer, kv_score_input, write_plan.view(torch.int32), write_plan.shape[0], num_rows,
-        kv_score_input.shape[0], WIDTH=width, BLOCK_R=block_r, BLOCK_C=min(1024, next_pow2(width)), num_warps=4,
+    num_inputs = kv_score_input.shape[0]
+    if r == 4:
+        events, channels, warps = C4_TILE
+        channels = _channel_block(head_dim, channels)
+        launch(_pool_c4_kernel)[(cdiv(plan.shape[0], events), head_dim // channels)](
+            kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs,
+            HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, num_warps=warps,
+        )
+    else:
+        rows, channels, chunk, warps = C128_TILE
+        channels = _channel_block(head_dim, channels)
+        launch(_pool_c128_kernel)[(C128_PROGRAMS, head_dim // channels)](
+            kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs, C128_PROGRAMS,
+            HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, num_warps=warps,
+        )
+    block_r, block_c = WRITE_TILE
+    launch(_write_kernel)[(cdiv(write_plan.shape[0], block_r),)](
+        kv_score_buffer, kv_score_input, write_plan.view(torch.int32), write_plan.shape[0], num_rows, num_inputs,
+        WIDTH=width, BLOCK_R=block_r, BLOCK_C=min(block_c, next_pow2(width)), num_warps=4,
     )
