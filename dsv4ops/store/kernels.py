@@ -1,7 +1,10 @@
-"""Triton kernels for ``compress_norm_rope_store``: one fused kernel, specialized per cache format.
+"""Triton kernels for ``compress_norm_rope_store``: one fused kernel per compressor width.
 
-Each program takes ``BLOCK_M`` rows: RMSNorm, RoPE, (Hadamard), quantization and the
-paged scatter, all in registers. The arithmetic follows the pinned numerics of
+``_store_main_kernel`` (D = 512: FP8 pack or bf16) and ``_store_indexer_kernel``
+(D = 128: Hadamard, then FP8 or FP4). Each program takes ``BLOCK_M`` rows: RMSNorm,
+RoPE, (Hadamard), quantization and the paged scatter, all in registers; a block of
+rows with nothing to store (plan padding, decode rows off a chunk boundary) only
+reads its plan words. The arithmetic follows the pinned numerics of
 ``reference.py`` operation by operation (fp64 where the reference uses fp64, IEEE
 fp32 elsewhere, integer bit manipulation for every rounding to a storage format),
 so the bytes written are identical to the reference's on the GPU and under the
@@ -76,20 +79,12 @@ if HAVE_TRITON:
         y = _butterfly(y, BLOCK_M, 64)
         return y * 0.08838834764831845  # fp32(128 ** -0.5), exact in fp32 as written
 
-    # ------------------------------------------------------------------ the fused kernel
+    # ------------------------------------------------------------------ shared steps
     @triton.jit
-    def _norm_rope_store_kernel(
-        kv_ptr, plan_ptr, weight_ptr, freqs_ptr, out_loc_ptr, cache_ptr,
-        num_rows, num_locs, num_freq_rows, num_pages, eps, log2_page, page_bytes,
-        HEAD_DIM: tl.constexpr, FORMAT: tl.constexpr, IS_DECODE: tl.constexpr, RATIO: tl.constexpr,
-        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
-    ):
-        D: tl.constexpr = HEAD_DIM
-        HALF: tl.constexpr = HEAD_DIM // 2
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    def _store_targets(plan_ptr, out_loc_ptr, rows, num_rows, num_locs, num_freq_rows, num_pages, log2_page,
+                       page_bytes, IS_DECODE: tl.constexpr, RATIO: tl.constexpr):
+        """Which rows are stored: (live, byte offset of the page, slot in the page, RoPE position)."""
         in_rows = rows < num_rows
-
-        # --- which rows are stored, where, at which RoPE position --------------------
         word0 = tl.load(plan_ptr + rows * 4, mask=in_rows, other=-1)
         seq_len = word0.to(tl.int64) & 0xFFFFFFFF
         if IS_DECODE:
@@ -102,78 +97,146 @@ if HAVE_TRITON:
         loc = tl.load(out_loc_ptr + loc_index, mask=live, other=-1).to(tl.int64)
         pos = seq_len - RATIO
         page = loc >> log2_page
-        slot = loc & ((1 << log2_page) - 1)
         live = live & (loc >= 0) & (page < num_pages) & (pos < num_freq_rows)
-        base = page * page_bytes  # int64: caches can exceed 2 GiB
+        return live, page * page_bytes, loc & ((1 << log2_page) - 1), pos  # int64: caches can exceed 2 GiB
 
+    @triton.jit
+    def _rstd(x, eps, HEAD_DIM: tl.constexpr):
+        """``fp32(1 / sqrt(sum(x^2) / D + eps))`` per row, evaluated in fp64 (``x`` is ``[M, D]`` or ``[M, G, C]``)."""
+        x64 = x.to(tl.float64)
+        sq = x64 * x64
+        if len(x.shape) == 3:
+            sum_sq = tl.sum(tl.sum(sq, axis=2), axis=1)
+        else:
+            sum_sq = tl.sum(sq, axis=1)
+        return (1.0 / tl.sqrt(sum_sq / HEAD_DIM + eps)).to(tl.float32)  # eps: an fp32 value, widened
+
+    @triton.jit
+    def _rotate(a, b, cos, sin):
+        """One RoPE rotation of the pairs (a, b), each output the fp64 value rounded once to fp32."""
+        a64 = a.to(tl.float64)
+        b64 = b.to(tl.float64)
+        c = cos.to(tl.float64)
+        s = sin.to(tl.float64)
+        return (a64 * c - b64 * s).to(tl.float32), (a64 * s + b64 * c).to(tl.float32)
+
+    # ------------------------------------------------------------------ main compressor (D = 512)
+    @triton.jit
+    def _store_main_rows(kv_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps, log2_page,
+                         BF16: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr):
+        """Normalize, rotate, quantize and store the rows ``rows`` of ``kv`` ``[*, 512]`` where ``live``.
+
+        FP8 pack (448 e4m3 + 7 ue8m0 scales + 64 bf16 rope) or plain bf16. The row is read as
+        8 groups of 64 (groups 0..6 are the FP8 groups); the rope tail (group 7) is read a
+        second time as even/odd elements, rotated, and stored as one 32-bit word per pair
+        (bf16 of the even element in the low half).
+        """
+        group = tl.arange(0, 8)
+        col = tl.arange(0, 64)
+        pair = tl.arange(0, 32)
+        element = group[:, None] * 64 + col[None, :]  # [8, 64]
+        x = tl.load(kv_ptr + rows[:, None, None] * 512 + element[None, :, :], mask=live[:, None, None],
+                    other=0.0).to(tl.float32)
+        rstd = _rstd(x, eps, 512)
+        y = (x * rstd[:, None, None]) * tl.load(weight_ptr + element).to(tl.float32)[None, :, :]
+
+        even = 448 + 2 * pair
+        xe = tl.load(kv_ptr + rows[:, None] * 512 + even[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        xo = tl.load(kv_ptr + rows[:, None] * 512 + even[None, :] + 1, mask=live[:, None], other=0.0).to(tl.float32)
+        ye = (xe * rstd[:, None]) * tl.load(weight_ptr + even).to(tl.float32)[None, :]
+        yo = (xo * rstd[:, None]) * tl.load(weight_ptr + even + 1).to(tl.float32)[None, :]
+        f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
+        re, ro = _rotate(ye, yo, tl.load(f_at, mask=live[:, None], other=0.0),
+                         tl.load(f_at + 1, mask=live[:, None], other=0.0))
+        rope_words = bf16_bits(re) | (bf16_bits(ro) << 16)
+
+        slot_at = base + slot * SLOT_BYTES  # byte offset of each row's slot
+        nope = live[:, None, None] & (group < 7)[None, :, None]
+        if BF16:
+            at = (cache_ptr + slot_at[:, None, None] + 2 * element[None, :, :]).to(tl.pointer_type(tl.int16))
+            tl.store(at, bf16_bits(y).to(tl.int16), mask=nope)
+            rope_at = cache_ptr + slot_at[:, None] + 896 + 4 * pair[None, :]
+        else:
+            z = bf16_round(y)
+            exponent = _ue8m0_ceil((tl.maximum(tl.max(tl.abs(z), axis=2), 1e-4).to(tl.float64) / 448.0)
+                                   .to(tl.float32))  # [rows, 8]
+            codes = _e4m3_code(z * _pow2_neg(exponent)[:, :, None])
+            tl.store(cache_ptr + slot_at[:, None, None] + element[None, :, :], codes.to(tl.uint8), mask=nope)
+            scale_at = base + (SLOT_BYTES << log2_page) + slot * SCALE_STRIDE
+            tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8),
+                     mask=live[:, None] & (group < 7)[None, :])
+            rope_at = cache_ptr + slot_at[:, None] + 448 + 4 * pair[None, :]
+        tl.store(rope_at.to(tl.pointer_type(tl.int32)), rope_words, mask=live[:, None])
+
+    @triton.jit
+    def _store_main_kernel(
+        kv_ptr, plan_ptr, weight_ptr, freqs_ptr, out_loc_ptr, cache_ptr,
+        num_rows, num_locs, num_freq_rows, num_pages, eps, log2_page, page_bytes,
+        BF16: tl.constexpr, IS_DECODE: tl.constexpr, RATIO: tl.constexpr,
+        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        live, base, slot, pos = _store_targets(plan_ptr, out_loc_ptr, rows, num_rows, num_locs, num_freq_rows,
+                                               num_pages, log2_page, page_bytes, IS_DECODE, RATIO)
         # plans are padded (prefill) or mostly non-boundary (decode): skip blocks with no row to store
         if tl.max(live.to(tl.int32), axis=0) > 0:
-            # --- RMSNorm: fp64 sum of squares, rstd rounded once to fp32 -------------------
-            cols = tl.arange(0, D)
-            x = tl.load(kv_ptr + rows[:, None] * D + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            x64 = x.to(tl.float64)
-            sum_sq = tl.sum(x64 * x64, axis=1)
-            rstd = (1.0 / tl.sqrt(sum_sq / D + eps)).to(tl.float32)  # eps: an fp32 value, widened
-            w = tl.load(weight_ptr + cols).to(tl.float32)
-            y = (x * rstd[:, None]) * w[None, :]
+            _store_main_rows(kv_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps, log2_page,
+                             BF16, SLOT_BYTES, SCALE_STRIDE)
 
-            # --- RoPE on the last 64 elements, interleaved pairs, each value rounded once ----
-            a, b = tl.split(tl.reshape(y, [BLOCK_M, HALF, 2]))
-            pair = tl.arange(0, HALF) - (D - 64) // 2  # rotated pairs: the last 64 elements
-            rotated = live[:, None] & (pair >= 0)[None, :]
-            f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
-            cos = tl.load(f_at, mask=rotated, other=0.0).to(tl.float64)
-            sin = tl.load(f_at + 1, mask=rotated, other=0.0).to(tl.float64)
-            a64 = a.to(tl.float64)
-            b64 = b.to(tl.float64)
-            a = tl.where(rotated, (a64 * cos - b64 * sin).to(tl.float32), a)
-            b = tl.where(rotated, (a64 * sin + b64 * cos).to(tl.float32), b)
-            y = tl.reshape(tl.join(a, b), [BLOCK_M, D])
+    # ------------------------------------------------------------------ indexer compressor (D = 128)
+    @triton.jit
+    def _store_indexer_rows(kv_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps, log2_page,
+                            FP4: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+                            BLOCK_M: tl.constexpr):
+        """Hadamard-rotated rows of 128: FP8 with one fp32 scale, or FP4 (e2m1) with 4 ue8m0 scales."""
+        cols = tl.arange(0, 128)
+        x = tl.load(kv_ptr + rows[:, None] * 128 + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        rstd = _rstd(x, eps, 128)
+        y = (x * rstd[:, None]) * tl.load(weight_ptr + cols).to(tl.float32)[None, :]
+        # RoPE on the pairs of the last 64 elements: pairs 32..63
+        a, b = tl.split(tl.reshape(y, [BLOCK_M, 64, 2]))
+        pair = tl.arange(0, 64) - 32
+        rotated = live[:, None] & (pair >= 0)[None, :]
+        f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
+        ra, rb = _rotate(a, b, tl.load(f_at, mask=rotated, other=0.0), tl.load(f_at + 1, mask=rotated, other=0.0))
+        y = tl.reshape(tl.join(tl.where(rotated, ra, a), tl.where(rotated, rb, b)), [BLOCK_M, 128])
+        h = _hadamard128(y, BLOCK_M)
+        slot_at = base + slot * SLOT_BYTES
+        scale_at = base + (SLOT_BYTES << log2_page) + slot * SCALE_STRIDE
+        if FP4:  # 4 groups of 32 with ue8m0 scales, two codes per byte (even element low)
+            hg = tl.reshape(h, [BLOCK_M, 4, 32])
+            exponent = _ue8m0_ceil((tl.maximum(tl.max(tl.abs(hg), axis=2), 1e-4).to(tl.float64) / 6.0)
+                                   .to(tl.float32))
+            codes = _e2m1_code(hg * _pow2_neg(exponent)[:, :, None])
+            lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, 64, 2]))
+            byte = tl.arange(0, 64)
+            tl.store(cache_ptr + slot_at[:, None] + byte[None, :], (lo | (hi << 4)).to(tl.uint8), mask=live[:, None])
+            group = tl.arange(0, 4)
+            tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8), mask=live[:, None])
+        else:  # one fp32 scale per row
+            scale = (tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4).to(tl.float64) / 448.0).to(tl.float32)
+            inv = (1.0 / scale.to(tl.float64)).to(tl.float32)
+            codes = _e4m3_code(h * inv[:, None])
+            tl.store(cache_ptr + slot_at[:, None] + cols[None, :], codes.to(tl.uint8), mask=live[:, None])
+            tl.store((cache_ptr + scale_at).to(tl.pointer_type(tl.float32)), scale, mask=live)
 
-            slot_at = base + slot * SLOT_BYTES  # [BLOCK_M]
-            scale_at = base + (SLOT_BYTES << log2_page) + slot * SCALE_STRIDE
-            if FORMAT == 0:  # main FP8 pack: groups 0..6 e4m3 with ue8m0 scales, group 7 (rope) bf16
-                g = tl.reshape(y, [BLOCK_M, 8, 64])
-                z = bf16_round(g)
-                amax = tl.max(tl.abs(z), axis=2)  # [BLOCK_M, 8]
-                exponent = _ue8m0_ceil((tl.maximum(amax, 1e-4).to(tl.float64) / 448.0).to(tl.float32))
-                codes = _e4m3_code(z * _pow2_neg(exponent)[:, :, None])
-                group = tl.arange(0, 8)
-                within = tl.arange(0, 64)
-                byte_at = slot_at[:, None, None] + group[None, :, None] * 64 + within[None, None, :]
-                nope = live[:, None, None] & (group < 7)[None, :, None]
-                tl.store(cache_ptr + byte_at, codes.to(tl.uint8), mask=nope)
-                rope_at = (cache_ptr + slot_at[:, None, None] + 448 + 2 * within[None, None, :]).to(tl.pointer_type(tl.int16))
-                rope = live[:, None, None] & (group == 7)[None, :, None]
-                tl.store(rope_at + 0 * group[None, :, None], bf16_bits(g).to(tl.int16), mask=rope)
-                tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8),
-                         mask=live[:, None] & (group < 7)[None, :])
-            elif FORMAT == 1:  # main bf16
-                at = (cache_ptr + slot_at[:, None] + 2 * cols[None, :]).to(tl.pointer_type(tl.int16))
-                tl.store(at, bf16_bits(y).to(tl.int16), mask=live[:, None])
-            elif FORMAT == 2:  # indexer FP8: Hadamard, one fp32 scale per row
-                h = _hadamard128(y, BLOCK_M)
-                amax = tl.max(tl.abs(h), axis=1)
-                scale = (tl.maximum(amax, 1e-4).to(tl.float64) / 448.0).to(tl.float32)
-                inv = (1.0 / scale.to(tl.float64)).to(tl.float32)
-                codes = _e4m3_code(h * inv[:, None])
-                tl.store(cache_ptr + slot_at[:, None] + cols[None, :], codes.to(tl.uint8), mask=live[:, None])
-                tl.store((cache_ptr + scale_at).to(tl.pointer_type(tl.float32)), scale, mask=live)
-            else:  # indexer FP4: Hadamard, 4 groups of 32 with ue8m0 scales, two codes per byte
-                h = tl.reshape(_hadamard128(y, BLOCK_M), [BLOCK_M, 4, 32])
-                amax = tl.max(tl.abs(h), axis=2)
-                exponent = _ue8m0_ceil((tl.maximum(amax, 1e-4).to(tl.float64) / 6.0).to(tl.float32))
-                codes = _e2m1_code(h * _pow2_neg(exponent)[:, :, None])
-                lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, 64, 2]))
-                packed = lo | (hi << 4)
-                byte = tl.arange(0, 64)
-                tl.store(cache_ptr + slot_at[:, None] + byte[None, :], packed.to(tl.uint8), mask=live[:, None])
-                group = tl.arange(0, 4)
-                tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8), mask=live[:, None])
+    @triton.jit
+    def _store_indexer_kernel(
+        kv_ptr, plan_ptr, weight_ptr, freqs_ptr, out_loc_ptr, cache_ptr,
+        num_rows, num_locs, num_freq_rows, num_pages, eps, log2_page, page_bytes,
+        FP4: tl.constexpr, IS_DECODE: tl.constexpr, RATIO: tl.constexpr,
+        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        live, base, slot, pos = _store_targets(plan_ptr, out_loc_ptr, rows, num_rows, num_locs, num_freq_rows,
+                                               num_pages, log2_page, page_bytes, IS_DECODE, RATIO)
+        if tl.max(live.to(tl.int32), axis=0) > 0:
+            _store_indexer_rows(kv_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps, log2_page,
+                                FP4, SLOT_BYTES, SCALE_STRIDE, BLOCK_M)
 
 
-def _block_m(fmt: CacheFormat) -> int:
-    return 4 if fmt in (CacheFormat.MAIN_FP8, CacheFormat.MAIN_BF16) else 8
+#: rows per program: (main prefill, main decode, indexer prefill, indexer decode)
+BLOCK_M = {"main": (8, 2), "indexer": (16, 4)}
 
 
 def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is_decode, compress_ratio, page_size,
@@ -181,12 +244,15 @@ def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is
     """Launch the fused kernel (arguments as ``torch.ops.dsv4ops.compress_norm_rope_store``)."""
     head_dim = kv.shape[1]
     layout = CacheLayout(cache_format(head_dim, use_fp4, bf16_store), page_size)
-    block_m = _block_m(layout.format)
-    launch(_norm_rope_store_kernel)[(cdiv(kv.shape[0], block_m),)](
+    main = head_dim == 512
+    block_m = BLOCK_M["main" if main else "indexer"][1 if is_decode else 0]
+    kernel = _store_main_kernel if main else _store_indexer_kernel
+    flag = dict(BF16=bool(bf16_store)) if main else dict(FP4=bool(use_fp4))
+    launch(kernel)[(cdiv(kv.shape[0], block_m),)](
         kv, plan.view(torch.int32), norm_weight, freqs, out_loc, kvcache,
         kv.shape[0], out_loc.shape[0], freqs.shape[0], kvcache.numel() // layout.page_bytes, fp32(norm_eps),
         page_size.bit_length() - 1, layout.page_bytes,
-        HEAD_DIM=head_dim, FORMAT=int(layout.format), IS_DECODE=bool(is_decode), RATIO=int(compress_ratio),
+        **flag, IS_DECODE=bool(is_decode), RATIO=int(compress_ratio),
         SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m,
         num_warps=4,
     )
