@@ -29,6 +29,7 @@ from ._layout import Addressing
 
 # Importing the op modules registers torch.ops.dsv4ops.*
 from .compress import op as _compress_op  # noqa: F401
+from .decode_step import op as _decode_step_op  # noqa: F401
 from .online import op as _online_op  # noqa: F401
 from .planner import op as _planner_op  # noqa: F401
 from .store import op as _store_op  # noqa: F401
@@ -280,3 +281,45 @@ def compress_norm_rope_store(
         kv, plan[1], norm_weight, float(norm_eps), freqs_table(freq_cis), out_loc, kvcache,
         plan.is_decode, int(plan.compress_ratio), int(page_size), bool(use_fp4), bool(bf16_store),
     )
+
+
+def compress_decode_step(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    ape: torch.Tensor,
+    *,
+    req_pool_indices: torch.Tensor,
+    req_to_token: Optional[torch.Tensor],
+    full_to_state: Optional[torch.Tensor],
+    seq_lens: torch.Tensor,
+    swa_page_size: int,
+    ring_size: int,
+    head_dim: int,
+    compress_ratio: Literal[4, 128],
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    freq_cis: torch.Tensor,
+    out_loc: torch.Tensor,
+    kvcache: torch.Tensor,
+    page_size: int,
+    use_fp4: bool = False,
+    bf16_store: bool = False,
+    addressing: str = "swa",
+):
+    """A whole decode step of one compressor in one op (dsv4ops extension; not in sglang).
+
+    Equivalent to ``plan = CompressorDecodePlan.generate(...)``, ``kv = compress_forward(...,
+    plan)`` and ``compress_norm_rope_store(kv, plan, ...)``, bit for bit, in one kernel launch
+    for ratio 4 and two for ratio 128. Returns ``(plan, kv)``; the plan can be reused by
+    another compressor of the same ratio (the indexer). Mutates ``kv_score_buffer`` and
+    ``kvcache``.
+    """
+    plan_d = req_pool_indices.new_empty((req_pool_indices.shape[0], 16), dtype=torch.uint8)
+    out = kv_score_input.new_empty((req_pool_indices.shape[0], head_dim))
+    torch.ops.dsv4ops.compress_decode_step(
+        kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_token, full_to_state,
+        seq_lens.to(req_pool_indices.device), norm_weight, float(norm_eps), freqs_table(freq_cis), out_loc, kvcache,
+        plan_d, out, int(head_dim), int(compress_ratio), int(swa_page_size), int(ring_size), _addressing(addressing),
+        int(page_size), bool(use_fp4), bool(bf16_store),
+    )
+    return CompressorDecodePlan(int(compress_ratio), plan_d), out

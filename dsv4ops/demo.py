@@ -46,7 +46,9 @@ class CompressorBlock(nn.Module):
     def forward(self, hidden, req_pool_indices, seq_lens, extend_lens: Optional[torch.Tensor], req_to_token,
                 full_to_state, out_loc_c4, out_loc_c128):
         lookup = (req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state)
-        plan4 = self.core_c4.plan(*lookup, hidden.shape[0])
+        # prefill: one ratio-4 plan shared by the core and indexer compressors (as sglang does);
+        # decode: each compressor runs its whole step as one fused op (compress_decode_step)
+        plan4 = None if extend_lens is None else self.core_c4.plan(*lookup, hidden.shape[0])
         a = self.core_c4(hidden, *lookup, out_loc_c4, plan=plan4)
         b = self.indexer_c4(hidden, *lookup, out_loc_c4, plan=plan4)
         c = self.core_c128(hidden, *lookup, out_loc_c128)

@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from ._layout import Addressing, CacheLayout, cache_format, state_row_width, window_len
-from .api import CompressorDecodePlan, CompressorPrefillPlan, compress_forward, compress_norm_rope_store
+from .api import (
+    CompressorDecodePlan,
+    CompressorPrefillPlan,
+    compress_decode_step,
+    compress_forward,
+    compress_norm_rope_store,
+)
 
 _ADDRESSING_NAMES = {Addressing.SWA_PAGED: "swa", Addressing.REQUEST: "request"}
 
@@ -79,9 +85,12 @@ class DeepSeekV4Compressor(nn.Module):
         norm_eps: float = 1e-6,
         max_positions: int = 65536,
         rope_theta: float = 160000.0,
+        fused_decode: bool = True,
         device: Optional[torch.device] = None,
     ):
         super().__init__()
+        #: decode steps without a shared plan run as one ``compress_decode_step`` op
+        self.fused_decode = fused_decode
         self.head_dim = head_dim
         self.compress_ratio = compress_ratio
         self.swa_page_size = swa_page_size
@@ -133,9 +142,20 @@ class DeepSeekV4Compressor(nn.Module):
         ``hidden_states`` ``[num_q_tokens, hidden]``; ``out_loc`` ``[num_q_tokens]`` cache slot
         of every token that completes a chunk. ``plan`` may be passed in when several
         compressors of the same ratio share it (sglang plans once per ratio per forward).
+        Without a plan, a decode step is one fused op (``fused_decode``, default on).
         Returns the pooled rows (before norm) ``[rows, head_dim]``.
         """
         kv_score = self.wkv_gate(hidden_states.float())
+        if extend_lens is None and plan is None and self.fused_decode:
+            _, pooled = compress_decode_step(
+                self.state, kv_score, self.ape, req_pool_indices=req_pool_indices, req_to_token=req_to_token,
+                full_to_state=full_to_state, seq_lens=seq_lens, swa_page_size=self.swa_page_size,
+                ring_size=self.ring_size, head_dim=self.head_dim, compress_ratio=self.compress_ratio,
+                norm_weight=self.norm_weight, norm_eps=self.norm_eps, freq_cis=self.freqs, out_loc=out_loc,
+                kvcache=self.kvcache, page_size=self.cache_page_size, use_fp4=self.use_fp4,
+                bf16_store=self.bf16_store, addressing=self.addressing,
+            )
+            return pooled
         if plan is None:
             plan = self.plan(req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, hidden_states.shape[0])
         pooled = compress_forward(

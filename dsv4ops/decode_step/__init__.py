@@ -1,0 +1,1 @@
+"""Fused decode step: plan + compress_forward + compress_norm_rope_store in one op."""
