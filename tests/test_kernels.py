@@ -16,6 +16,8 @@ import torch
 from dsv4ops import Addressing
 from dsv4ops.compress import kernels as compress_kernels
 from dsv4ops.compress.reference import compress_decode_reference, compress_prefill_reference
+from dsv4ops.online import kernels as online_kernels
+from dsv4ops.online.reference import plan_online_decode_reference, plan_online_prefill_reference
 from dsv4ops.planner import kernels as planner_kernels
 from dsv4ops.planner.reference import plan_decode_reference, plan_prefill_reference
 from dsv4ops.store import kernels as store_kernels
@@ -55,6 +57,76 @@ def test_planner_kernels(geometry):
         assert torch.equal(got, plan_decode_reference(rpi, *tables, seq_lens, *common)), f"trial {trial}"
 
 
+def _stress_batch(rng: random.Random, pools: PagedPools, r: int, bs: int, long_extend: bool):
+    """Many requests (more than the planner's request chunk): prefixes, ext = 0, ext = 1, bad requests
+    (ext > seq, ext < 0) and request ids outside the pool; optionally one long extend spanning row blocks."""
+    rids, seqs, exts = [], [], []
+    for b in range(bs):
+        rids.append(rng.randrange(pools.max_requests) if rng.random() < 0.9 else rng.choice([-1, pools.max_requests + 3]))
+        seq = rng.randint(1, pools.max_seq_len)
+        choice = rng.random()
+        if long_extend and b == bs // 2:
+            ext = min(seq, 300 if r == 4 else 700)
+        elif choice < 0.15:
+            ext = 0
+        elif choice < 0.25:
+            ext = 1
+        elif choice < 0.3:
+            ext = seq + rng.randint(1, 4)  # bad: plans nothing, still occupies ext ragged rows
+        elif choice < 0.35:
+            ext = -rng.randint(1, 4)  # bad: occupies no ragged rows
+        elif choice < 0.45:
+            ext = min(seq, rng.randint(1, 2 * r + 9))
+        else:
+            ext = min(seq, rng.randint(1, 12))
+        seqs.append(seq)
+        exts.append(ext)
+    return rids, seqs, exts
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"r{g[0]}-ring{g[1]}-sps{g[2]}-{NAMES[g[4]]}")
+def test_planner_kernels_stress(geometry):
+    """bs past the kernels' request chunk, truncation at num_q_tokens, padding, int32 lengths, long extends."""
+    r, ring, sps, page, addressing = geometry
+    rng = random.Random(11 * r + ring + int(addressing))
+    for trial in range(3):
+        pools = PagedPools(max_requests=24, max_seq_len=900 if r == 128 else 400, swa_page_size=sps,
+                           full_page_size=page, seed=trial, device=KERNEL_DEVICE)
+        bs = rng.randint(planner_kernels.CHUNK + 1, 2 * planner_kernels.CHUNK + 9)
+        rids, seqs, exts = _stress_batch(rng, pools, r, bs, long_extend=trial != 1)
+        total = sum(max(e, 0) for e in exts)
+        num_q = [total, total + 7, rng.randint(0, total)][trial]  # exact, padded, truncated mid-batch
+        dtype = torch.int32 if trial == 1 else torch.int64
+        rpi, seq_lens, ext_lens = (torch.tensor(v, dtype=dtype, device=KERNEL_DEVICE) for v in (rids, seqs, exts))
+        tables = (None, None) if addressing == Addressing.LEGACY else (pools.req_to_token, pools.full_to_state)
+        common = (r, sps, ring, int(addressing))
+        got = planner_kernels.plan_prefill(rpi, *tables, seq_lens, ext_lens, num_q, *common)
+        want = plan_prefill_reference(rpi, *tables, seq_lens, ext_lens, num_q, *common)
+        assert torch.equal(got[0], want[0]), f"trial {trial}: CompressPlan"
+        assert torch.equal(got[1], want[1]), f"trial {trial}: WritePlan"
+        dec = seq_lens - torch.tensor([rng.randint(0, 2) for _ in seqs], dtype=dtype, device=KERNEL_DEVICE)
+        got = planner_kernels.plan_decode(rpi, *tables, dec, *common)
+        assert torch.equal(got, plan_decode_reference(rpi, *tables, dec, *common)), f"trial {trial}: DecodePlan"
+
+
+def test_online_planner_kernels_stress():
+    rng = random.Random(8)
+    pools = PagedPools(max_requests=24, max_seq_len=900, device=KERNEL_DEVICE)
+    for trial in range(3):
+        bs = rng.randint(planner_kernels.CHUNK + 1, 2 * planner_kernels.CHUNK + 9)
+        rids, seqs, exts = _stress_batch(rng, pools, 128, bs, long_extend=trial != 1)
+        total = sum(max(e, 0) for e in exts)
+        num_q = [total, total + 7, rng.randint(0, total)][trial]
+        dtype = torch.int32 if trial == 1 else torch.int64
+        rpi, seq_lens, ext_lens = (torch.tensor(v, dtype=dtype, device=KERNEL_DEVICE) for v in (rids, seqs, exts))
+        offset = [0, 5, 1000][trial]
+        got = online_kernels.plan_online_prefill(rpi, seq_lens, ext_lens, num_q, offset)
+        want = plan_online_prefill_reference(rpi, seq_lens, ext_lens, num_q, offset)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"trial {trial}"
+        assert torch.equal(online_kernels.plan_online_decode(rpi, seq_lens, offset),
+                           plan_online_decode_reference(rpi, seq_lens, offset)), f"trial {trial}"
+
+
 def test_planner_kernels_empty():
     pools = PagedPools(max_requests=2, max_seq_len=64, swa_page_size=16, full_page_size=32, device=KERNEL_DEVICE)
     empty = torch.zeros(0, dtype=torch.int64, device=KERNEL_DEVICE)
@@ -64,6 +136,16 @@ def test_planner_kernels_empty():
     assert (c.view(torch.int32)[:, 0] == -1).all() and (w == 255).all()
     d = planner_kernels.plan_decode(empty, pools.req_to_token, pools.full_to_state, empty, 4, 16, 8, 0)
     assert d.shape == (0, 16)
+    # requests but no ragged rows (num_q_tokens = 0), and requests with nothing to plan (ext = 0)
+    rpi, seq, ext = (torch.tensor(v, device=KERNEL_DEVICE) for v in ([0, 1], [9, 20], [0, 0]))
+    c, w = planner_kernels.plan_prefill(rpi, pools.req_to_token, pools.full_to_state, seq, seq, 0, 4, 16, 8, 0)
+    assert c.shape == (0, 16) and w.shape == (0, 8)
+    c, w = planner_kernels.plan_prefill(rpi, pools.req_to_token, pools.full_to_state, seq, ext, 3, 4, 16, 8, 0)
+    assert (c.view(torch.int32)[:, 0] == -1).all() and (w == 255).all()
+    c, w = online_kernels.plan_online_prefill(empty, empty, empty, 0, 0)
+    assert c.shape == (0, 16) and w.shape == (0, 16)
+    c, w = online_kernels.plan_online_prefill(rpi, seq, ext, 3, 0)
+    assert (c.view(torch.int32)[:, 0] == -1).all() and (w.view(torch.int32)[:, 0] == -1).all()
 
 
 COMPRESS_CASES = [
@@ -124,3 +206,69 @@ def test_store_kernels(fmt, is_decode):
                                       c["out_loc"].to(dev), got, is_decode, 4, page_size, *flags)
         diff = (got.cpu() != want).nonzero()
         assert diff.numel() == 0, f"page_size {page_size}: {diff.shape[0]} bytes differ, first {diff[:4].tolist()}"
+
+
+@pytest.mark.parametrize("r", [4, 128])
+def test_compress_kernels_malformed_plans(r):
+    """Garbage plan words straight into the kernels: nothing is written outside the state buffer and
+    the result (state bits, out rows) is the reference's, which skips what it cannot read."""
+    from test_compress import _corrupt, _sim
+
+    sim = _sim(r)
+    rng = random.Random(13)
+    width = sim.state.shape[1]
+    dev = KERNEL_DEVICE
+    steps = sim.steps[-8:] if INTERPRETED else sim.steps
+    for step in steps:
+        rows = sim.state.shape[0]
+        x = step.kv_score_input
+        num_in = x.shape[0]
+        state = torch.randn(rows, width)
+        if step.plan.is_decode:
+            plan, write_plan = _corrupt(step.plan.plan_d, rng, rows, num_in, write_word=1), None
+        else:
+            plan = _corrupt(step.plan.plan_c, rng, rows, num_in, write_word=-1)
+            write_plan = _corrupt(step.plan.plan_w, rng, rows, num_in, write_word=1)
+        want_state, want_out = state.clone(), torch.empty(plan.shape[0], sim.head_dim)
+        if write_plan is None:
+            compress_decode_reference(want_state, x, sim.ape, plan, want_out, sim.head_dim, r)
+        else:
+            compress_prefill_reference(want_state, x, sim.ape, plan, write_plan, want_out, sim.head_dim, r)
+        guard = torch.full((rows + 64, width), 1234.5, device=dev)
+        got_state = guard[:rows]
+        got_state.copy_(state)
+        got_out = torch.full((plan.shape[0], sim.head_dim), float("nan"), device=dev)
+        compress_kernels.compress_forward(got_state, x.to(dev), sim.ape.to(dev), plan.to(dev),
+                                          None if write_plan is None else write_plan.to(dev), got_out, sim.head_dim, r)
+        assert (guard[rows:] == 1234.5).all(), "a write landed past the state buffer"
+        assert_same_bits(got_state.cpu(), want_state, "state")
+        _close_rows(got_out.cpu(), want_out)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_store_kernels_malformed_inputs(fmt):
+    """Garbage plan words and slots (negative, past the cache, past out_loc / freqs): the kernel
+    writes exactly the reference's bytes and nothing past the cache."""
+    rng = random.Random(17)
+    for is_decode in (True, False):
+        c = _case(fmt, is_decode, 24, 64, "cpu", seed=3)
+        flags = (c["cfg"].get("use_fp4", False), c["cfg"].get("bf16_store", False))
+        words = c["plan"].view(torch.int32).clone()
+        # only values that make a row unreadable: an in-range duplicate slot would make the result order-dependent
+        for k in rng.sample(range(words.shape[0]), 8):
+            field = rng.randrange(2)
+            words[k, field] = rng.choice([-7, 1 << 30, 0x7FFF0000] if field == 0 else [-7, 0xFFFF])
+        plan = words.view(torch.uint8).reshape(words.shape[0], 16)
+        out_loc = c["out_loc"].clone()
+        out_loc[rng.sample(range(out_loc.shape[0]), 6)] = torch.tensor([-1, -5, 1 << 40, 10 ** 6, 64 * 1000, -(1 << 40)])
+        want = c["cache"].clone()
+        norm_rope_store_reference(c["kv"], plan, c["weight"], 1e-6, c["freqs"], out_loc, want, is_decode, 4, 64, *flags)
+        dev = KERNEL_DEVICE
+        guard = torch.full((want.numel() + 4096,), 0x5A, dtype=torch.uint8, device=dev)
+        got = guard[: want.numel()].view(want.shape)
+        got.copy_(c["cache"])
+        store_kernels.norm_rope_store(c["kv"].to(dev), plan.to(dev), c["weight"].to(dev), 1e-6, c["freqs"].to(dev),
+                                      out_loc.to(dev), got, is_decode, 4, 64, *flags)
+        assert (guard[want.numel():] == 0x5A).all(), "a write landed past the cache"
+        diff = (got.cpu() != want).nonzero()
+        assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first {diff[:4].tolist()}"

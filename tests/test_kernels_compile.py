@@ -34,7 +34,10 @@ def _compile(fn, types: dict, constexprs: dict, num_warps=4):
         pytest.skip("interpreter mode: test_all_kernels_compile_for_sm90 compiles this variant in a subprocess")
     names = fn.arg_names
     signature = {name: ("constexpr" if name in constexprs else types[name]) for name in names}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    # pointers 16-byte aligned, as Triton's launcher specializes them at run time
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if signature[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
@@ -49,37 +52,49 @@ def _kernels():
     return ck, pk, sk
 
 
-STORE_VARIANTS = [(0, 512, 4), (1, 512, 4), (2, 128, 8), (3, 128, 8)]
+STORE_VARIANTS = [(0, 512), (1, 512), (2, 128), (3, 128)]
 
 
-@pytest.mark.parametrize("fmt,head_dim,block_m", STORE_VARIANTS)
+@pytest.mark.parametrize("fmt,head_dim", STORE_VARIANTS)
 @pytest.mark.parametrize("is_decode", [True, False])
-def test_variant_store_kernel(fmt, head_dim, block_m, is_decode):
+def test_variant_store_kernel(fmt, head_dim, is_decode):
     ck, pk, sk = _kernels()
     types = dict(kv_ptr="*fp32", plan_ptr="*i32", weight_ptr="*fp32", freqs_ptr="*fp32", out_loc_ptr="*i64",
                  cache_ptr="*u8", num_rows="i32", num_locs="i32", num_freq_rows="i32", num_pages="i32", eps="fp32",
                  log2_page="i32", page_bytes="i32")
     layout = CacheLayout(CacheFormat(fmt), 64)
-    consts = dict(HEAD_DIM=head_dim, FORMAT=fmt, IS_DECODE=is_decode, RATIO=4, SLOT_BYTES=layout.slot_bytes,
+    main = head_dim == 512
+    block_m = sk.BLOCK_M["main" if main else "indexer"][1 if is_decode else 0]
+    flag = dict(BF16=fmt == 1) if main else dict(FP4=fmt == 3)
+    consts = dict(**flag, IS_DECODE=is_decode, RATIO=4, SLOT_BYTES=layout.slot_bytes,
                   SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m)
-    _compile(sk._norm_rope_store_kernel, types, consts)
+    _compile(sk._store_main_kernel if main else sk._store_indexer_kernel, types, consts)
 
 
 @pytest.mark.parametrize("ratio,head_dim", [(4, 512), (4, 128), (128, 512), (128, 64)])
 @pytest.mark.parametrize("state,inp,out", [("fp32", "fp32", "fp32"), ("bf16", "bf16", "bf16")])
 def test_variant_compress_kernels(ratio, head_dim, state, inp, out):
     ck, pk, sk = _kernels()
-    block = dict(HEAD_DIM=head_dim, RATIO=ratio, BLOCK_D=ck._block_d(head_dim), BLOCK_W=8 if ratio == 4 else 32)
     ptrs = dict(state_ptr=f"*{state}", input_ptr=f"*{inp}", ape_ptr="*fp32", plan_ptr="*i32", out_ptr=f"*{out}")
-    _compile(ck._compress_decode_kernel, dict(ptrs, num_state_rows="i64"), block)
-    events, rows, channels, _ = ck.PREFILL_POOL_TILE[ratio]
-    _compile(ck._compress_prefill_pool_kernel, dict(ptrs, num_events="i32", num_state_rows="i64", num_inputs="i32"),
-             dict(HEAD_DIM=head_dim, RATIO=ratio, BLOCK_E=events, BLOCK_W=rows, BLOCK_D=min(channels, head_dim)))
+    _compile(ck._decode_kernel, dict(ptrs, num_state_rows="i64"),
+             dict(HEAD_DIM=head_dim, RATIO=ratio, BLOCK_D=ck._channel_block(head_dim, ck.DECODE_BLOCK_D[ratio]),
+                  BLOCK_W=8 if ratio == 4 else 32))
+    counts = dict(ptrs, num_events="i32", num_state_rows="i64", num_inputs="i32")
+    if ratio == 4:
+        events, channels, warps = ck.C4_TILE
+        _compile(ck._pool_c4_kernel, counts,
+                 dict(HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=ck._channel_block(head_dim, channels)), warps)
+    else:
+        rows, channels, chunk, warps = ck.C128_TILE
+        _compile(ck._pool_c128_kernel, dict(counts, num_programs="i32"),
+                 dict(HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=ck._channel_block(head_dim, channels), CHUNK=chunk),
+                 warps)
     width = (4 if ratio == 4 else 2) * head_dim
-    _compile(ck._compress_prefill_write_kernel,
+    block_r, block_c = ck.WRITE_TILE
+    _compile(ck._write_kernel,
              dict(state_ptr=f"*{state}", input_ptr=f"*{inp}", plan_ptr="*i32", num_writes="i32", num_state_rows="i64",
                   num_inputs="i32"),
-             dict(WIDTH=width, BLOCK_R=4, BLOCK_C=min(1024, width)))
+             dict(WIDTH=width, BLOCK_R=block_r, BLOCK_C=min(block_c, width)))
 
 
 @pytest.mark.parametrize("ratio,addressing", [(4, 0), (4, 2), (128, 0), (128, 1), (128, 2)])
@@ -89,29 +104,54 @@ def test_variant_planner_kernels(ratio, addressing):
                   sps="i32", ring="i32")
     meta = dict(RATIO=ratio, ADDRESSING=addressing, HAS_TABLE=addressing != 2)
     _compile(pk._plan_decode_kernel, dict(lookup, rpi_ptr="*i64", seq_ptr="*i64", plan_ptr="*i32", bs="i32"),
-             dict(meta, BLOCK=128))
-    rows = dict(lookup, num_q_tokens="i32", ends_ptr="*i64", bs="i32", rpi_ptr="*i64", seq_ptr="*i64", ext_ptr="*i64")
-    meta.update(LOG2_MAX_BS=17, BLOCK=pk.ROWS_PER_BLOCK)
-    _compile(pk._count_rows_kernel, dict(rows, counts_ptr="*i32"), meta)
-    _compile(pk._emit_rows_kernel, dict(rows, plan_c_ptr="*i32", plan_w_ptr="*i32", counts_ptr="*i32"),
-             dict(meta, MAX_BLOCKS=pk.MAX_BLOCKS))
+             dict(meta, BLOCK=pk.DECODE_BLOCK))
+    for index, table in (("*i64", "*i32"), ("*i32", "*i64")):  # int64 or int32 lengths / ids / tables
+        rows = dict(lookup, plan_c_ptr="*i32", plan_w_ptr="*i32", num_q_tokens="i32", bs="i32", rpi_ptr=index,
+                    seq_ptr=index, ext_ptr=index, spec_pad="i32", r2t_ptr=table, f2s_ptr=index)
+        _compile(pk._plan_prefill_kernel, rows, dict(meta, ROWS=pk.ROWS, CHUNK=pk.CHUNK))
 
 
 @pytest.mark.parametrize("head_dim", [512, 64])
 def test_variant_online_kernels(head_dim):
     from dsv4ops.online import kernels as ok
-    from dsv4ops.planner.kernels import MAX_BLOCKS, ROWS_PER_BLOCK
+    from dsv4ops.planner.kernels import CHUNK, DECODE_BLOCK, ROWS
 
     _compile(ok._plan_online_decode_kernel, dict(rpi_ptr="*i64", seq_ptr="*i64", plan_ptr="*i32", bs="i32", offset="i32"),
-             dict(BLOCK=128))
-    rows = dict(num_q_tokens="i32", ends_ptr="*i64", bs="i32", rpi_ptr="*i64", seq_ptr="*i64", ext_ptr="*i64", offset="i32")
-    meta = dict(LOG2_MAX_BS=17, BLOCK=ROWS_PER_BLOCK)
-    _compile(ok._count_segments_kernel, dict(rows, counts_ptr="*i32"), meta)
-    _compile(ok._emit_segments_kernel, dict(rows, plan_c_ptr="*i32", plan_w_ptr="*i32", counts_ptr="*i32"),
-             dict(meta, MAX_BLOCKS=MAX_BLOCKS))
+             dict(BLOCK=DECODE_BLOCK))
+    _compile(ok._plan_online_prefill_kernel, dict(plan_c_ptr="*i32", plan_w_ptr="*i32", num_q_tokens="i32", bs="i32",
+                                                  rpi_ptr="*i64", seq_ptr="*i64", ext_ptr="*i64", offset="i32"),
+             dict(ROWS=ROWS, CHUNK=CHUNK))
     ptrs = dict(state_ptr="*fp32", input_ptr="*fp32", ape_ptr="*fp32", plan_ptr="*i32", out_ptr="*fp32")
     block_d = min(128, head_dim)
     _compile(ok._online_decode_kernel, dict(ptrs, num_slots="i32"), dict(HEAD_DIM=head_dim, BLOCK_D=block_d))
     for is_write in (False, True):
         _compile(ok._online_prefill_kernel, dict(ptrs, num_rows="i32", num_slots="i32", num_inputs="i32"),
                  dict(HEAD_DIM=head_dim, IS_WRITE=is_write, BLOCK_D=block_d, BLOCK_T=32))
+
+
+@pytest.mark.parametrize("head_dim,flag,ratio", [(512, False, 4), (512, True, 4), (128, False, 4), (128, True, 4),
+                                                 (512, False, 128)])
+@pytest.mark.parametrize("addressing", [0, 1, 2])
+def test_variant_decode_step_kernels(head_dim, flag, ratio, addressing):
+    from dsv4ops.compress import kernels as ck
+    from dsv4ops.decode_step import kernels as dk
+
+    if addressing == 1 and ratio == 4:
+        pytest.skip("request addressing is ratio 128 only")
+    lookup = dict(r2t_ptr="*i32", r2t_stride="i32", num_reqs="i32", max_len="i32", f2s_ptr="*i64", num_full="i32",
+                  sps="i32", ring="i32")
+    ptrs = dict(state_ptr="*fp32", input_ptr="*fp32", ape_ptr="*fp32", rpi_ptr="*i64", seq_ptr="*i64",
+                plan_ptr="*i32", out_ptr="*fp32")
+    meta = dict(HEAD_DIM=head_dim, ADDRESSING=addressing, HAS_TABLE=addressing != 2)
+    if ratio == 128:
+        _compile(dk._decode_step_c128_pool_kernel, dict(ptrs, num_state_rows="i64", **lookup),
+                 dict(meta, BLOCK_D=ck._channel_block(head_dim, ck.DECODE_BLOCK_D[128])))
+        return
+    fmt = (1 if flag else 0) if head_dim == 512 else (3 if flag else 2)
+    layout = CacheLayout(CacheFormat(fmt), 64)
+    store = dict(weight_ptr="*fp32", freqs_ptr="*fp32", out_loc_ptr="*i64", cache_ptr="*u8", bs="i32",
+                 num_state_rows="i64", num_locs="i32", num_freq_rows="i32", num_pages="i32", eps="fp32",
+                 log2_page="i32", page_bytes="i32")
+    _compile(dk._decode_step_c4_kernel, dict(ptrs, **store, **lookup),
+             dict(meta, FLAG=flag, SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride),
+             num_warps=8 if head_dim == 512 else 4)

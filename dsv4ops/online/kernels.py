@@ -1,8 +1,10 @@
 """Triton kernels of the online ratio-128 compressor.
 
-* planners: decode is elementwise; prefill classifies ragged rows (a segment ends at
-  a chunk end -> close, or at the request's last token -> write) with the offline
-  planner's ragged decomposition and the same count-then-emit compaction.
+* planners: decode is elementwise; prefill is one launch built on the offline planner's
+  ``locate_rows`` (per ragged row: its request and the segments of the requests before
+  it). A segment ends at a chunk end (close, closed-form plan_c row) or at the
+  request's last token (write, at most one per request), so both destinations are
+  closed form too.
 * decode: one program per (request, channel block) merges the token into the state.
 * prefill: one program per (segment, channel block) pools up to 128 tokens with a
   streaming softmax and merges the stored prefix; close segments write ``out``,
@@ -13,9 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .._layout import MAX_Q_TOKENS
 from .._triton import HAVE_TRITON, cdiv, launch, next_pow2
-from ..planner.kernels import MAX_BLOCKS, ROWS_PER_BLOCK
+from ..planner.kernels import CHUNK, DECODE_BLOCK, ROWS
 
 RATIO = 128
 
@@ -24,71 +25,40 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .._triton_formats import cast_rne
-    from ..planner.kernels import block_offset, ragged_rows
+    from ..planner.kernels import _words4, locate_rows
 
     @triton.jit
     def _plan_online_decode_kernel(rpi_ptr, seq_ptr, plan_ptr, bs, offset, BLOCK: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         in_batch = b < bs
-        rid = tl.load(rpi_ptr + b, mask=in_batch, other=0).to(tl.int64)
-        seq = tl.load(seq_ptr + b, mask=in_batch, other=0).to(tl.int64)
+        rid = tl.load(rpi_ptr + b, mask=in_batch, other=0)
+        seq = tl.load(seq_ptr + b, mask=in_batch, other=0)
         live = (seq >= 1) & (rid >= 0)
-        slot = tl.where(live, rid + offset, -1)
-        out = plan_ptr + b * 4
-        tl.store(out, tl.where(live, seq, 0).to(tl.int32), mask=in_batch)
-        tl.store(out + 1, slot.to(tl.int32), mask=in_batch)
-        tl.store(out + 2, slot.to(tl.int32), mask=in_batch)
-        tl.store(out + 3, tl.full([BLOCK], -1, tl.int32), mask=in_batch)
+        slot = tl.where(live, rid.to(tl.int32) + offset, -1)
+        words = _words4(tl.where(live, seq.to(tl.int32), 0), slot, slot, tl.full([BLOCK], -1, tl.int32))
+        tl.store(plan_ptr + b[:, None] * 4 + tl.arange(0, 4)[None, :], words, mask=in_batch[:, None])
 
     @triton.jit
-    def _classify_segments(block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, offset,
-                           LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr):
-        i, in_rows, ok, seq, rid, j, pos = ragged_rows(
-            block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, LOG2_MAX_BS, BLOCK)
-        ok = ok & (rid >= 0)
-        prefix = pos - j  # first position of this forward's extend
-        start = tl.maximum(pos - pos % 128, prefix)
+    def _plan_online_prefill_kernel(plan_c_ptr, plan_w_ptr, num_q_tokens, bs, rpi_ptr, seq_ptr, ext_ptr, offset,
+                                    ROWS: tl.constexpr, CHUNK: tl.constexpr):
+        """Segments in closed form: close segment of position p (a chunk end) -> plan_c row
+        ``closes before the request + (p + 1) // 128 - prefix // 128 - 1``; the request's trailing write
+        segment (its last position, not a chunk end) -> plan_w row ``write segments before the request``."""
+        i, in_rows, ok, j, pos, prefix, seq, rid, close_base, write_base, total_close, total_write = locate_rows(
+            tl.program_id(0) * ROWS, num_q_tokens, bs, rpi_ptr, seq_ptr, ext_ptr, 0, 1, 128, 0, True, ROWS, CHUNK)
+        start = tl.maximum(pos - pos % 128, prefix)  # first position of the segment
         ends_chunk = (pos + 1) % 128 == 0
         is_close = ok & ends_chunk
         is_write = ok & (pos == seq - 1) & ~ends_chunk
         slot = rid + offset
-        load = tl.where(start % 128 != 0, slot, -1)
-        return i, in_rows, is_close, is_write, pos, pos + 1 - start, slot, load
-
-    @triton.jit
-    def _count_segments_kernel(counts_ptr, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, offset,
-                               LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr):
-        block = tl.program_id(0)
-        _, _, is_close, is_write, _, _, _, _ = _classify_segments(
-            block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, offset, LOG2_MAX_BS, BLOCK)
-        tl.store(counts_ptr + block * 2, tl.sum(is_close.to(tl.int32), axis=0))
-        tl.store(counts_ptr + block * 2 + 1, tl.sum(is_write.to(tl.int32), axis=0))
-
-    @triton.jit
-    def _store_rows(plan_ptr, dst, mask, w0, w1, w2, w3):
-        at = plan_ptr + dst * 4
-        tl.store(at, w0.to(tl.int32), mask=mask)
-        tl.store(at + 1, w1.to(tl.int32), mask=mask)
-        tl.store(at + 2, w2.to(tl.int32), mask=mask)
-        tl.store(at + 3, w3.to(tl.int32), mask=mask)
-
-    @triton.jit
-    def _emit_segments_kernel(plan_c_ptr, plan_w_ptr, counts_ptr, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr,
-                              ext_ptr, offset, LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr,
-                              MAX_BLOCKS: tl.constexpr):
-        block = tl.program_id(0)
-        i, in_rows, is_close, is_write, pos, length, slot, load = _classify_segments(
-            block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, offset, LOG2_MAX_BS, BLOCK)
-        word1 = i | (length << 16)
-        for which in tl.static_range(2):
-            flag = is_close if which == 0 else is_write
-            plan_ptr = plan_c_ptr if which == 0 else plan_w_ptr
-            base, total = block_offset(counts_ptr, which, block, num_q_tokens, BLOCK, MAX_BLOCKS)
-            f = flag.to(tl.int32)
-            dst = (base + tl.cumsum(f, axis=0) - f).to(tl.int64)
-            _store_rows(plan_ptr, dst, flag, pos + 1, word1, slot, load)
-            minus_one = tl.full([BLOCK], -1, tl.int32)
-            _store_rows(plan_ptr, i, in_rows & (i >= total), minus_one, minus_one * 0, minus_one, minus_one)
+        words = _words4(pos + 1, i | ((pos + 1 - start) << 16), slot, tl.where(start % 128 != 0, slot, -1))
+        col4 = tl.arange(0, 4)[None, :]
+        close_dst = close_base + (pos + 1) // 128 - prefix // 128 - 1
+        tl.store(plan_c_ptr + close_dst[:, None] * 4 + col4, words, mask=is_close[:, None])
+        tl.store(plan_w_ptr + write_base[:, None] * 4 + col4, words, mask=is_write[:, None])
+        sentinel = tl.broadcast_to(tl.where(col4 == 1, 0, -1), (ROWS, 4))
+        tl.store(plan_c_ptr + i[:, None] * 4 + col4, sentinel, mask=(in_rows & (i >= total_close))[:, None])
+        tl.store(plan_w_ptr + i[:, None] * 4 + col4, sentinel, mask=(in_rows & (i >= total_write))[:, None])
 
     @triton.jit
     def _merge(m1, s1, k1, m2, s2, k2):
@@ -190,8 +160,8 @@ if HAVE_TRITON:
 def plan_online_decode(req_pool_indices, seq_lens, state_slot_offset) -> torch.Tensor:
     bs = req_pool_indices.shape[0]
     plan = torch.empty((bs, 4), dtype=torch.int32, device=req_pool_indices.device)
-    launch(_plan_online_decode_kernel)[(cdiv(bs, 128),)](req_pool_indices, seq_lens, plan, bs, state_slot_offset,
-                                                          BLOCK=128, num_warps=4)
+    launch(_plan_online_decode_kernel)[(cdiv(bs, DECODE_BLOCK),)](req_pool_indices, seq_lens, plan, bs,
+                                                                   state_slot_offset, BLOCK=DECODE_BLOCK, num_warps=4)
     return plan.view(torch.uint8)
 
 
@@ -199,14 +169,9 @@ def plan_online_prefill(req_pool_indices, seq_lens, extend_lens, num_q_tokens, s
     device = req_pool_indices.device
     plan_c = torch.empty((num_q_tokens, 4), dtype=torch.int32, device=device)
     plan_w = torch.empty((num_q_tokens, 4), dtype=torch.int32, device=device)
-    ends = torch.cumsum(torch.clamp_min(extend_lens.to(torch.int64), 0), 0)
-    counts = torch.empty((MAX_BLOCKS * 2,), dtype=torch.int32, device=device)
-    num_blocks = cdiv(num_q_tokens, ROWS_PER_BLOCK)
-    rows = (num_q_tokens, ends, req_pool_indices.shape[0], req_pool_indices, seq_lens, extend_lens, state_slot_offset)
-    meta = dict(LOG2_MAX_BS=MAX_Q_TOKENS.bit_length() + 1, BLOCK=ROWS_PER_BLOCK)
-    launch(_count_segments_kernel)[(num_blocks,)](counts, *rows, **meta, num_warps=4)
-    launch(_emit_segments_kernel)[(num_blocks,)](plan_c, plan_w, counts, *rows, **meta, MAX_BLOCKS=MAX_BLOCKS,
-                                                 num_warps=4)
+    launch(_plan_online_prefill_kernel)[(cdiv(num_q_tokens, ROWS),)](
+        plan_c, plan_w, num_q_tokens, req_pool_indices.shape[0], req_pool_indices, seq_lens, extend_lens,
+        state_slot_offset, ROWS=ROWS, CHUNK=CHUNK, num_warps=4)
     return plan_c.view(torch.uint8), plan_w.view(torch.uint8)
 
 

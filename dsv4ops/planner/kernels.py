@@ -1,23 +1,42 @@
-"""Triton planners: decode (elementwise) and prefill (deterministic compaction in three launches).
+"""Triton planners: decode (elementwise) and prefill (closed-form compaction in one launch).
 
-Prefill: (1) ``torch.cumsum`` turns ``extend_lens`` into per-request ragged end offsets;
-(2) programs over ragged-row blocks classify every row (compress event? written to
-the ring?) and count per block; (3) the same programs recompute their rows, add the
-counts of the blocks before them and scatter valid rows to their final place, then
-fill their share of the padding rows. Rows land in ragged order (batch-major,
-position-ascending), exactly as the reference and the host planner order them.
-No host sync: every size the kernels need is a tensor or a static bound.
+Prefill: every plan row has a closed-form destination. Per request ``b`` (prefix =
+seq_len - extend_len, ``n_b`` = its extend rows below ``num_q_tokens``) the compress
+events are the positions ``p`` in ``[prefix, prefix + n_b)`` with ``(p + 1) % r == 0``;
+the event of ``p`` goes to plan_c row ``E_b + (p + 1) // r - prefix // r - 1``, where
+``E_b`` counts the events of the requests before ``b``. The written positions are
+``p >= first_write`` plus (ratio 4, SWA addressing) the SWA page-tail band below
+``first_write``; the rank of a written position inside its request is a count of band
+positions plus a difference of positions, so it lands in plan_w row ``W_b + rank``.
+
+One launch, programs over blocks of ``ROWS`` ragged rows. Each program walks the
+batch in chunks of ``CHUNK`` requests (loads of the next chunk in flight while the
+current one is processed), computing per request its ragged start (clamped exclusive
+prefix sum of ``max(extend_len, 0)``), its event and write counts, and running totals.
+A chunk that lies wholly before the block's rows adds its totals to every row; a
+chunk that straddles the block adds, per row, the requests that end at or before the
+row (one ``[ROWS, CHUNK]`` compare); a chunk past the block only adds to the totals.
+That gives each row its request, ragged start and event/write bases without a
+search. The row then computes its flags and destinations in int32, does the state
+lookups only where a row is emitted, scatters 16 / 8-byte rows, and writes the
+padding rows of its own range (``[total_events, num_q_tokens)`` of plan_c,
+``[total_writes, num_q_tokens)`` of plan_w). Rows land in ragged order (batch-major,
+position-ascending), exactly as the reference orders them. No host sync: the grid is
+``cdiv(num_q_tokens, ROWS)`` and the batch size is a kernel argument.
+
+Positions, request ids, slots and SWA slots are handled in int32 (they must be
+below 2**31); ``req_to_token`` offsets are int64.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._layout import MAX_Q_TOKENS
-from .._triton import HAVE_TRITON, cdiv, launch, next_pow2
+from .._triton import HAVE_TRITON, cdiv, launch
 
-ROWS_PER_BLOCK = 1024
-MAX_BLOCKS = next_pow2(cdiv(MAX_Q_TOKENS, ROWS_PER_BLOCK))  # 64
+ROWS = 128  # ragged rows per prefill program
+CHUNK = 32  # requests per step of a program's walk over the batch
+DECODE_BLOCK = 128  # requests per decode program
 
 if HAVE_TRITON:
     import triton
@@ -27,11 +46,11 @@ if HAVE_TRITON:
     def _state_row(rid, pos, ok, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
                    sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
                    HAS_TABLE: tl.constexpr):
-        """State row of (rid, pos) (int64), -1 where ``ok`` is off or a lookup is out of range."""
+        """State row of (rid, pos) (int32 in, int32 out), -1 where ``ok`` is off or a lookup is out of range."""
         ok = ok & (rid >= 0) & (pos >= 0)
-        if ADDRESSING == 2:  # legacy
+        if ADDRESSING == 2:  # legacy: ratio 4 -> page 2 * rid + (pos // 4) % 2, i.e. row 8 * rid + pos % 8
             if RATIO == 4:
-                row = (2 * rid + (pos // 4) % 2) * 4 + pos % 4
+                row = rid * 8 + pos % 8
             else:
                 row = rid * RATIO + pos % RATIO
         elif ADDRESSING == 1:  # request-scoped ring
@@ -40,10 +59,11 @@ if HAVE_TRITON:
                 ok = ok & (rid < num_reqs) & (pos < max_len)
         else:  # SWA-paged
             ok = ok & (rid < num_reqs) & (pos < max_len)
-            token = tl.load(r2t_ptr + rid * r2t_stride + pos, mask=ok, other=0).to(tl.int64)
+            token = tl.load(r2t_ptr + rid.to(tl.int64) * r2t_stride + pos, mask=ok, other=0)
             ok = ok & (token >= 0) & (token < num_full)
-            swa = tl.load(f2s_ptr + token, mask=ok, other=0).to(tl.int64)
+            swa = tl.load(f2s_ptr + token, mask=ok, other=0)
             ok = ok & (swa >= 0)
+            swa = swa.to(tl.int32)
             row = (swa // sps) * ring + swa % ring
         return tl.where(ok, row, -1)
 
@@ -52,139 +72,176 @@ if HAVE_TRITON:
         return tl.where(row >= 0, row // RATIO, -1)
 
     @triton.jit
+    def _words4(w0, w1, w2, w3):
+        """Four ``[N]`` int32 vectors -> ``[N, 4]`` rows (one 16-byte store per row)."""
+        return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (w0.shape[0], 4))
+
+    @triton.jit
+    def _first_write(seq, spec_pad, RATIO: tl.constexpr, ADDRESSING: tl.constexpr):
+        """First position of a request (seq_len ``seq``) that is always written to the ring."""
+        first = (seq // RATIO) * RATIO - (4 if RATIO == 4 else 0)
+        if ADDRESSING != 2:
+            first = tl.minimum(first, seq - spec_pad)
+        return first
+
+    @triton.jit
+    def _band(x, sps):
+        """SWA page-tail positions (the last 4 of each page) in ``[0, x)``, ``x >= 0``, ``sps >= 4``."""
+        return (x // sps) * 4 + tl.maximum(x % sps - (sps - 4), 0)
+
+    @triton.jit
+    def _writes_before(x, prefix, first, sps, RATIO: tl.constexpr, ADDRESSING: tl.constexpr):
+        """Written positions of a request in ``[prefix, x)`` (``x >= prefix``)."""
+        n = tl.maximum(x - tl.maximum(prefix, first), 0)
+        if RATIO == 4 and ADDRESSING == 0:
+            n += _band(tl.maximum(tl.minimum(x, first), prefix), sps) - _band(prefix, sps)
+        return n
+
+    @triton.jit
+    def _request_counts(begin, rows, seq64, ext64, ok, num_q_tokens, spec_pad, sps,
+                        RATIO: tl.constexpr, ADDRESSING: tl.constexpr, ONLINE: tl.constexpr):
+        """(events, writes) of requests whose ragged rows are ``[begin, begin + rows)``, over the rows that exist.
+
+        Offline: events are chunk-completing positions, writes the written positions.
+        Online: events are the close segments, writes the (at most one) trailing write segment."""
+        seq = seq64.to(tl.int32)
+        prefix = seq - ext64.to(tl.int32)
+        n = tl.minimum(tl.maximum(num_q_tokens - begin, 0), rows)
+        stop = prefix + n
+        events = tl.where(ok, stop // RATIO - prefix // RATIO, 0)
+        if ONLINE:
+            writes = (ok & (n > 0) & (stop == seq) & (seq % RATIO != 0)).to(tl.int32)
+        else:
+            writes = tl.where(ok, _writes_before(stop, prefix, _first_write(seq, spec_pad, RATIO, ADDRESSING), sps,
+                                                 RATIO, ADDRESSING), 0)
+        return events, writes
+
+    @triton.jit
+    def locate_rows(i0, num_q_tokens, bs, rpi_ptr, seq_ptr, ext_ptr, spec_pad, sps,
+                    RATIO: tl.constexpr, ADDRESSING: tl.constexpr, ONLINE: tl.constexpr,
+                    ROWS: tl.constexpr, CHUNK: tl.constexpr):
+        """Ragged rows ``i0 + [0, ROWS)``: ``(i, in range, belongs to a valid request, index inside the request's
+        extend, position, prefix, seq_len, request id, events before the row's request, writes before it,
+        total events, total writes)``; all int32. Event/write counting as in ``_request_counts``."""
+        i = i0 + tl.arange(0, ROWS)
+        lane = tl.arange(0, CHUNK)
+        b = tl.zeros([ROWS], tl.int32)  # requests that end at or before row i
+        begin = tl.zeros([ROWS], tl.int32)  # their rows: the ragged start of row i's request
+        ev_base = tl.zeros([ROWS], tl.int32)
+        wr_base = tl.zeros([ROWS], tl.int32)
+        done = tl.sum(b, 0)  # ragged rows of the requests walked so far, clamped at 65536 (> any row)
+        ev_total = tl.sum(b, 0)
+        wr_total = tl.sum(b, 0)
+        seq_next = tl.load(seq_ptr + lane, mask=lane < bs, other=0)
+        ext_next = tl.load(ext_ptr + lane, mask=lane < bs, other=0)
+        if ONLINE:
+            rid_next = tl.load(rpi_ptr + lane, mask=lane < bs, other=0)
+        c0 = 0
+        while c0 < bs:
+            k = c0 + lane
+            in_batch = k < bs
+            seq64 = seq_next
+            ext64 = ext_next
+            ok = in_batch & (ext64 >= 0) & (ext64 <= seq64)
+            if ONLINE:
+                ok = ok & (rid_next >= 0)
+            nxt = k + CHUNK
+            seq_next = tl.load(seq_ptr + nxt, mask=nxt < bs, other=0)  # in flight while this chunk is processed
+            ext_next = tl.load(ext_ptr + nxt, mask=nxt < bs, other=0)
+            if ONLINE:
+                rid_next = tl.load(rpi_ptr + nxt, mask=nxt < bs, other=0)
+            rows = tl.minimum(tl.maximum(ext64, 0), 65536).to(tl.int32)  # ragged rows the request occupies
+            ends = done + tl.cumsum(rows, 0)
+            events, writes = _request_counts(ends - rows, rows, seq64, ext64, ok, num_q_tokens, spec_pad, sps,
+                                             RATIO, ADDRESSING, ONLINE)
+            chunk_rows = tl.sum(rows, 0)
+            chunk_events = tl.sum(events, 0)
+            chunk_writes = tl.sum(writes, 0)
+            if done + chunk_rows <= i0:  # every request of the chunk ends before the block
+                b += tl.minimum(bs - c0, CHUNK)
+                begin += chunk_rows
+                ev_base += chunk_events
+                wr_base += chunk_writes
+            elif done < i0 + ROWS:  # the chunk straddles the block
+                # [CHUNK, ROWS] (not [ROWS, CHUNK]): each thread then holds a whole chunk column for its row
+                # and the sums are thread-local
+                before = (ends[:, None] <= i[None, :]) & in_batch[:, None]
+                b += tl.sum(before.to(tl.int32), 0)
+                begin += tl.sum(tl.where(before, rows[:, None], 0), 0)
+                ev_base += tl.sum(tl.where(before, events[:, None], 0), 0)
+                wr_base += tl.sum(tl.where(before, writes[:, None], 0), 0)
+            done = tl.minimum(done + chunk_rows, 65536)
+            ev_total += chunk_events
+            wr_total += chunk_writes
+            c0 += CHUNK
+        in_rows = i < num_q_tokens
+        live = in_rows & (b < bs)
+        seq64 = tl.load(seq_ptr + b, mask=live, other=0)
+        ext64 = tl.load(ext_ptr + b, mask=live, other=0)
+        rid64 = tl.load(rpi_ptr + b, mask=live, other=0)
+        ok = live & (ext64 >= 0) & (ext64 <= seq64)
+        if ONLINE:
+            ok = ok & (rid64 >= 0)
+        rid = rid64.to(tl.int32)
+        seq = seq64.to(tl.int32)
+        prefix = seq - ext64.to(tl.int32)
+        j = i - begin
+        return i, in_rows, ok, j, prefix + j, prefix, seq, rid, ev_base, wr_base, ev_total, wr_total
+
+    @triton.jit
     def _plan_decode_kernel(
         rpi_ptr, seq_ptr, plan_ptr, bs, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
         sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
         HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         in_batch = b < bs
-        rid = tl.load(rpi_ptr + b, mask=in_batch, other=0).to(tl.int64)
-        seq = tl.load(seq_ptr + b, mask=in_batch, other=0).to(tl.int64)
-        live = in_batch & (seq >= 1)
+        rid = tl.load(rpi_ptr + b, mask=in_batch, other=0).to(tl.int32)
+        seq64 = tl.load(seq_ptr + b, mask=in_batch, other=0)
+        live = in_batch & (seq64 >= 1)
+        seq = tl.where(live, seq64.to(tl.int32), 0)
         lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE)
         write_loc = _state_row(rid, seq - 1, live, *lookup)
         page0 = _page(_state_row(rid, tl.maximum(seq - 1 - RATIO, 0), live, *lookup), RATIO)
-        out = plan_ptr + b * 4
-        tl.store(out, tl.where(live, seq, 0).to(tl.int32), mask=in_batch)
-        tl.store(out + 1, write_loc.to(tl.int32), mask=in_batch)
-        tl.store(out + 2, page0.to(tl.int32), mask=in_batch)
-        tl.store(out + 3, _page(write_loc, RATIO).to(tl.int32), mask=in_batch)
+        words = _words4(seq, write_loc, page0, _page(write_loc, RATIO))
+        tl.store(plan_ptr + b[:, None] * 4 + tl.arange(0, 4)[None, :], words, mask=in_batch[:, None])
 
     @triton.jit
-    def ragged_rows(block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr,
-                    LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr):
-        """Ragged rows ``i`` of one block -> (i, in range, belongs to a valid request, seq_len, request id,
-        index inside the request's extend, position). ``ends`` are the requests' ragged end offsets."""
-        i = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        in_rows = i < num_q_tokens
-        # request of each row: the number of request ends <= i (a branch-free binary search)
-        lo = tl.zeros([BLOCK], tl.int64)
-        hi = tl.zeros([BLOCK], tl.int64) + bs
-        for _ in tl.static_range(LOG2_MAX_BS):
-            active = lo < hi
-            mid = (lo + hi) // 2
-            end = tl.load(ends_ptr + mid, mask=active, other=0)
-            right = end <= i
-            lo = tl.where(active & right, mid + 1, lo)
-            hi = tl.where(active & ~right, mid, hi)
-        b = lo
-        in_batch = in_rows & (b < bs)
-        seq = tl.load(seq_ptr + b, mask=in_batch, other=0).to(tl.int64)
-        ext = tl.load(ext_ptr + b, mask=in_batch, other=0).to(tl.int64)
-        rid = tl.load(rpi_ptr + b, mask=in_batch, other=0).to(tl.int64)
-        end = tl.load(ends_ptr + b, mask=in_batch, other=0)
-        ok = in_batch & (ext >= 0) & (ext <= seq)
-        j = i - (end - ext)
-        return i, in_rows, ok, seq, rid, j, seq - ext + j
-
-    @triton.jit
-    def block_offset(counts_ptr, which, block, num_q_tokens, BLOCK: tl.constexpr, MAX_BLOCKS: tl.constexpr):
-        """(rows counted by the blocks before ``block``, rows counted by all blocks) for count ``which``."""
-        blocks = tl.arange(0, MAX_BLOCKS)
-        counts = tl.load(counts_ptr + blocks * 2 + which, mask=blocks < tl.cdiv(num_q_tokens, BLOCK), other=0)
-        return tl.sum(tl.where(blocks < block, counts, 0), axis=0), tl.sum(counts, axis=0)
-
-    @triton.jit
-    def _classify_rows(
-        block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr,
-        r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
-        sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
-        HAS_TABLE: tl.constexpr, LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr,
+    def _plan_prefill_kernel(
+        plan_c_ptr, plan_w_ptr, num_q_tokens, bs, rpi_ptr, seq_ptr, ext_ptr, spec_pad,
+        r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring,
+        RATIO: tl.constexpr, ADDRESSING: tl.constexpr, HAS_TABLE: tl.constexpr,
+        ROWS: tl.constexpr, CHUNK: tl.constexpr,
     ):
-        """Per ragged row of one block: event/write flags and the words of their plan rows."""
         W: tl.constexpr = 8 if RATIO == 4 else RATIO
-        i, in_rows, ok, seq, rid, j, pos = ragged_rows(
-            block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, LOG2_MAX_BS, BLOCK)
+        i, in_rows, ok, j, pos, prefix, seq, rid, ev_base, wr_base, total_events, total_writes = locate_rows(
+            tl.program_id(0) * ROWS, num_q_tokens, bs, rpi_ptr, seq_ptr, ext_ptr, spec_pad, sps,
+            RATIO, ADDRESSING, False, ROWS, CHUNK)
         lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE)
 
         is_event = ok & ((pos + 1) % RATIO == 0)
-        buffer_len = W - tl.minimum(j + 1, W)
-        row = _state_row(rid, pos, ok, *lookup)
-        page0 = _page(_state_row(rid, tl.maximum(pos - RATIO, 0), ok, *lookup), RATIO)
-
-        last_complete = (seq // RATIO) * RATIO
-        if ADDRESSING == 2:
-            first_write = last_complete - (4 if RATIO == 4 else 0)
-            keep = pos >= first_write
-        else:
-            spec_pad = tl.minimum(ring - RATIO, 4)
-            first_write = tl.minimum(last_complete - (4 if RATIO == 4 else 0), seq - spec_pad)
-            keep = pos >= first_write
-            if RATIO == 4 and ADDRESSING == 0:
-                keep = keep | (pos % sps >= sps - 4)
+        first = _first_write(seq, spec_pad, RATIO, ADDRESSING)
+        keep = pos >= first
+        if RATIO == 4 and ADDRESSING == 0:
+            keep = keep | (pos % sps >= sps - 4)  # last chunk of every SWA page
         is_write = ok & keep
-        return i, in_rows, is_event, is_write, pos, buffer_len, page0, _page(row, RATIO), row
+        row = _state_row(rid, pos, is_event | is_write, *lookup)
+        page0 = _page(_state_row(rid, tl.maximum(pos - RATIO, 0), is_event, *lookup), RATIO)
 
-    @triton.jit
-    def _count_rows_kernel(
-        counts_ptr, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr,
-        r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
-        sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
-        HAS_TABLE: tl.constexpr, LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        block = tl.program_id(0)
-        _, _, is_event, is_write, _, _, _, _, _ = _classify_rows(
-            block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, r2t_ptr, r2t_stride, num_reqs, max_len,
-            f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE, LOG2_MAX_BS, BLOCK)
-        tl.store(counts_ptr + block * 2, tl.sum(is_event.to(tl.int32), axis=0))
-        tl.store(counts_ptr + block * 2 + 1, tl.sum(is_write.to(tl.int32), axis=0))
-
-    @triton.jit
-    def _emit_rows_kernel(
-        plan_c_ptr, plan_w_ptr, counts_ptr, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr,
-        r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
-        sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr,
-        HAS_TABLE: tl.constexpr, LOG2_MAX_BS: tl.constexpr, BLOCK: tl.constexpr, MAX_BLOCKS: tl.constexpr,
-    ):
-        block = tl.program_id(0)
-        i, in_rows, is_event, is_write, pos, buffer_len, page0, page1, row = _classify_rows(
-            block, num_q_tokens, ends_ptr, bs, rpi_ptr, seq_ptr, ext_ptr, r2t_ptr, r2t_stride, num_reqs, max_len,
-            f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE, LOG2_MAX_BS, BLOCK)
-        event_base, total_events = block_offset(counts_ptr, 0, block, num_q_tokens, BLOCK, MAX_BLOCKS)
-        write_base, total_writes = block_offset(counts_ptr, 1, block, num_q_tokens, BLOCK, MAX_BLOCKS)
-
-        ev = is_event.to(tl.int32)
-        dst = (event_base + tl.cumsum(ev, axis=0) - ev).to(tl.int64)
-        out = plan_c_ptr + dst * 4
-        tl.store(out, (pos + 1).to(tl.int32), mask=is_event)
-        tl.store(out + 1, (i | (buffer_len << 16)).to(tl.int32), mask=is_event)
-        tl.store(out + 2, page0.to(tl.int32), mask=is_event)
-        tl.store(out + 3, page1.to(tl.int32), mask=is_event)
-        wr = is_write.to(tl.int32)
-        dst = (write_base + tl.cumsum(wr, axis=0) - wr).to(tl.int64)
-        tl.store(plan_w_ptr + dst * 2, i.to(tl.int32), mask=is_write)
-        tl.store(plan_w_ptr + dst * 2 + 1, row.to(tl.int32), mask=is_write)
+        col4 = tl.arange(0, 4)[None, :]
+        ev_dst = ev_base + (pos + 1) // RATIO - prefix // RATIO - 1
+        c_words = _words4(pos + 1, i | ((W - tl.minimum(j + 1, W)) << 16), page0, _page(row, RATIO))
+        tl.store(plan_c_ptr + ev_dst[:, None] * 4 + col4, c_words, mask=is_event[:, None])
+        col2 = tl.arange(0, 2)[None, :]
+        wr_dst = wr_base + _writes_before(pos, prefix, first, sps, RATIO, ADDRESSING)
+        tl.store(plan_w_ptr + wr_dst[:, None] * 2 + col2, tl.join(i, row), mask=is_write[:, None])
 
         # padding: output rows of this block's range past the valid ones
         pad_c = in_rows & (i >= total_events)
-        tl.store(plan_c_ptr + i * 4, tl.full([BLOCK], -1, tl.int32), mask=pad_c)
-        tl.store(plan_c_ptr + i * 4 + 1, tl.zeros([BLOCK], tl.int32), mask=pad_c)
-        tl.store(plan_c_ptr + i * 4 + 2, tl.full([BLOCK], -1, tl.int32), mask=pad_c)
-        tl.store(plan_c_ptr + i * 4 + 3, tl.full([BLOCK], -1, tl.int32), mask=pad_c)
+        tl.store(plan_c_ptr + i[:, None] * 4 + col4, tl.broadcast_to(tl.where(col4 == 1, 0, -1), (ROWS, 4)),
+                 mask=pad_c[:, None])
         pad_w = in_rows & (i >= total_writes)
-        tl.store(plan_w_ptr + i * 2, tl.full([BLOCK], -1, tl.int32), mask=pad_w)
-        tl.store(plan_w_ptr + i * 2 + 1, tl.full([BLOCK], -1, tl.int32), mask=pad_w)
+        tl.store(plan_w_ptr + i[:, None] * 2 + col2, tl.full([ROWS, 2], -1, tl.int32), mask=pad_w[:, None])
 
 
 def _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing, device):
@@ -204,9 +261,8 @@ def plan_decode(req_pool_indices, req_to_token, full_to_state, seq_lens, compres
     plan = torch.empty((bs, 4), dtype=torch.int32, device=req_pool_indices.device)
     tensors, meta = _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing,
                                  req_pool_indices.device)
-    block = 128
-    launch(_plan_decode_kernel)[(cdiv(bs, block),)](
-        req_pool_indices, seq_lens, plan, bs, *tensors, BLOCK=block, **meta, num_warps=4,
+    launch(_plan_decode_kernel)[(cdiv(bs, DECODE_BLOCK),)](
+        req_pool_indices, seq_lens, plan, bs, *tensors, BLOCK=DECODE_BLOCK, **meta, num_warps=4,
     )
     return plan.view(torch.uint8)
 
@@ -214,16 +270,13 @@ def plan_decode(req_pool_indices, req_to_token, full_to_state, seq_lens, compres
 def plan_prefill(req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, num_q_tokens, compress_ratio,
                  swa_page_size, ring_size, addressing):
     device = req_pool_indices.device
-    bs = req_pool_indices.shape[0]
     plan_c = torch.empty((num_q_tokens, 4), dtype=torch.int32, device=device)
     plan_w = torch.empty((num_q_tokens, 2), dtype=torch.int32, device=device)
-    ends = torch.cumsum(torch.clamp_min(extend_lens.to(torch.int64), 0), 0)  # ragged end offset of each request
-    num_blocks = cdiv(num_q_tokens, ROWS_PER_BLOCK)
-    counts = torch.empty((MAX_BLOCKS * 2,), dtype=torch.int32, device=device)
     tensors, meta = _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing,
                                  device)
-    meta.update(LOG2_MAX_BS=MAX_Q_TOKENS.bit_length() + 1, BLOCK=ROWS_PER_BLOCK)
-    rows = (num_q_tokens, ends, bs, req_pool_indices, seq_lens, extend_lens, *tensors)
-    launch(_count_rows_kernel)[(num_blocks,)](counts, *rows, **meta, num_warps=4)
-    launch(_emit_rows_kernel)[(num_blocks,)](plan_c, plan_w, counts, *rows, **meta, MAX_BLOCKS=MAX_BLOCKS, num_warps=4)
+    spec_pad = min(ring_size - compress_ratio, 4)  # speculative rollback tail (paged addressing only)
+    launch(_plan_prefill_kernel)[(cdiv(num_q_tokens, ROWS),)](
+        plan_c, plan_w, num_q_tokens, req_pool_indices.shape[0], req_pool_indices, seq_lens, extend_lens, spec_pad,
+        *tensors, **meta, ROWS=ROWS, CHUNK=CHUNK, num_warps=4,
+    )
     return plan_c.view(torch.uint8), plan_w.view(torch.uint8)
