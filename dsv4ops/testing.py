@@ -9,6 +9,7 @@ here runs inside a model: it is ordinary eager Python.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -133,3 +134,27 @@ def make_batch(requests: Sequence[tuple], seq_before: dict, *, decode: bool, dev
         num_q_tokens=len(rows),
         rows=rows,
     )
+
+
+def fix_triton_interpreter() -> None:
+    """Under TRITON_INTERPRET=1, patch a Triton 3.6 interpreter bug (no-op otherwise).
+
+    Triton 3.6's interpreter turns a scalar into a Python int with ``int(array)``; NumPy >= 2.4
+    refuses that for its shape-(1,) scalars, so a ``range`` with a run-time bound fails under
+    TRITON_INTERPRET=1. Convert the array's one element instead (same value)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_dsv4ops_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._dsv4ops_fixed = True
+    interpreter._patch_lang_tensor = patched

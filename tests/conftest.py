@@ -9,6 +9,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from dsv4ops.testing import fix_triton_interpreter  # noqa: E402
+
 # Inductor's FX-graph and AOT caches key on the traced graph, not on the Python body of a
 # custom op that Inductor decomposes (torch.library.triton_op); a stale entry would run an
 # old version of an op under test. Compile from scratch in tests.
@@ -50,26 +52,4 @@ def _seed():
     torch.manual_seed(0)
 
 
-def _fix_interpreter_scalar_index():
-    """Triton 3.6's interpreter turns a scalar into a Python int with ``int(array)``; NumPy >= 2.4
-    refuses that for its shape-(1,) scalars, so a ``range`` with a run-time bound fails under
-    TRITON_INTERPRET=1. Convert through ``.item()`` instead (same value)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    try:
-        from triton.runtime import interpreter
-    except ImportError:  # pragma: no cover
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_dsv4ops_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._dsv4ops_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-_fix_interpreter_scalar_index()
+fix_triton_interpreter()
