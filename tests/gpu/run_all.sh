@@ -1,27 +1,43 @@
 #!/usr/bin/env bash
-# Full GPU acceptance run (issue: Triton kernels). Needs a CUDA GPU.
+# Full GPU acceptance run (issue: Triton kernels). Needs a CUDA GPU; runs from any directory.
 #   tests/gpu/run_all.sh [output dir]
-# 1. the whole test suite on CUDA (every op on the GPU against the reference and the golden loops)
-# 2. GPU-only tests: opcheck on CUDA, CUDA graphs (reduce-overhead) over 300 decode steps,
-#    in-place buffers under torch.compile, AOTInductor package in a fresh process
-# 3. compute-sanitizer memcheck over the GPU kernel tests
+# 1. the whole test suite on CUDA (every op and kernel on the GPU against the reference and the
+#    golden loops; the CPU tests too), in parallel when pytest-xdist is there
+# 2. GPU-only acceptance: opcheck on CUDA, CUDA graphs (reduce-overhead) over 300 decode steps,
+#    buffers written in place under torch.compile, AOTInductor package in a fresh process
+# 3. compute-sanitizer memcheck over the GPU kernel tests (every kernel variant)
+# Writes suite.log, gpu.log, memcheck.log and summary.txt to the output dir.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:-gpu-results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+py="${PYTHON:-python3}"
 status=0
-python -m pytest -q tests -x --ignore=tests/gpu -p no:cacheprovider 2>&1 | tee "$out/suite.log" | tail -5 || status=1
+summary() { echo "$*" | tee -a "$out/summary.txt"; }
+: > "$out/summary.txt"
+summary "$(nvidia-smi -L | head -1) | $("$py" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
+
+workers=""
+"$py" -c "import xdist" 2>/dev/null && workers="-n 8"
+start=$(date +%s)
+"$py" -m pytest -q tests --ignore=tests/gpu -p no:cacheprovider $workers -x 2>&1 | tee "$out/suite.log" | tail -4
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-python -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu.log" | tail -5
+summary "suite: $(grep -E '[0-9]+ (passed|failed)' "$out/suite.log" | tail -1) ($(( $(date +%s) - start )) s)"
+
+start=$(date +%s)
+"$py" -m pytest -q tests/gpu -p no:cacheprovider -rA -s 2>&1 | tee "$out/gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|peak growth" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+summary "gpu acceptance: $(grep -E '[0-9]+ (passed|failed)' "$out/gpu.log" | tail -1) ($(( $(date +%s) - start )) s)"
+
 if command -v compute-sanitizer >/dev/null; then
+  start=$(date +%s)
   compute-sanitizer --tool memcheck --error-exitcode 1 --log-file "$out/memcheck.log" \
-    python -m pytest -q tests/test_kernels.py -p no:cacheprovider 2>&1 | tail -3
+    "$py" -m pytest -q tests/test_kernels.py tests/test_decode_step.py -k "kernels" -p no:cacheprovider 2>&1 | tail -3
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  grep -h "ERROR SUMMARY" "$out/memcheck.log" | tail -1
+  summary "memcheck: $(grep -h 'ERROR SUMMARY' "$out/memcheck.log" | tail -1) ($(( $(date +%s) - start )) s)"
 else
-  echo "compute-sanitizer not found"; status=1
+  summary "compute-sanitizer not found"; status=1
 fi
-echo "run_all status: $status"
+summary "run_all status: $status"
 exit $status
