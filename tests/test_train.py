@@ -14,11 +14,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from _sm90 import compile_sm90 as _compile, run_variants_in_subprocess
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -554,49 +554,8 @@ def test_norm_rope_errors(override, exc, fragment):
 
 
 def test_train_kernels_compile_for_sm90():
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
-                             os.path.abspath(__file__), "-k", "variant"], env=env, capture_output=True, text=True,
-                            timeout=1200, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
-
-
-def _compile(fn, types: dict, constexprs: dict, num_warps=4):
-    """Compile for sm_90 with 16-byte aligned pointers (what a real launch specializes them to)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("interpreter mode: test_train_kernels_compile_for_sm90 compiles this variant in a subprocess")
-    names = fn.arg_names
-    signature = {name: ("constexpr" if name in constexprs else types[name]) for name in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-             if name not in constexprs and types[name].startswith("*")}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-
-
-def _no_spills(compiled):
-    """Registers, stack and local memory from ``cuobjdump -res-usage`` (Triton's bundled copy): no spills."""
-    import re
-    import tempfile
-
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
-    assert stack == 0 and local == 0, f"{compiled.metadata.name} spills: {usage.strip()}"
+    out = run_variants_in_subprocess(__file__)
+    assert " passed" in out and "skipped" not in out, out[-2000:]
 
 
 @pytest.mark.parametrize("ratio,head_dim", [(4, 512), (4, 128), (4, 64), (128, 512), (128, 64)])
@@ -614,7 +573,7 @@ def test_variant_pool_kernels(ratio, head_dim, dtype):
         else:
             fn = tk._pool128_fwd_kernel if fwd else tk._pool128_bwd_kernel
             consts["BLOCK_W"] = rows
-        _no_spills(_compile(fn, types, consts, warps))
+        _compile(fn, types, consts, warps)
 
 
 @pytest.mark.parametrize("head_dim", [512, 128, 64, 576])
@@ -629,13 +588,13 @@ def test_variant_norm_rope_kernels(head_dim, dtype):
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d)
     for eps in ("fp32", "fp64"):  # Inductor passes Python floats to user kernels as fp64
         types["eps"] = eps
-        _no_spills(_compile(tk._norm_rope_fwd_kernel, types, consts))
-        _no_spills(_compile(tk._norm_rope_bwd_kernel, types, consts))
+        _compile(tk._norm_rope_fwd_kernel, types, consts)
+        _compile(tk._norm_rope_bwd_kernel, types, consts)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_variant_sum_partials_kernel(dtype):
     from dsv4ops.train import kernels as tk
 
-    _no_spills(_compile(tk._sum_partials_kernel, dict(ws_ptr="*fp32", out_ptr=f"*{dtype}", num_partials="i32",
-                                                      size="i32"), dict(BLOCK=tk.SUM_BLOCK)))
+    _compile(tk._sum_partials_kernel, dict(ws_ptr="*fp32", out_ptr=f"*{dtype}", num_partials="i32", size="i32"),
+             dict(BLOCK=tk.SUM_BLOCK))

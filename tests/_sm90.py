@@ -1,0 +1,102 @@
+"""Compile Triton kernels for sm_90 (H100/H200) without a GPU, and read the compiler's resource use.
+
+Used by ``tests/test_kernels_compile.py`` and ``tests/test_train.py``. The kernels must be
+imported with ``TRITON_INTERPRET`` unset, so each of those files runs its ``variant`` tests
+in a clean subprocess (``run_variants_in_subprocess``).
+
+With ``DSV4OPS_SM90_REPORT=<file>`` set, every compiled variant appends one line to that file:
+kernel, constexprs, warps, registers per thread, stack frame bytes, and how many of its
+global loads / stores are 128 bits wide (from the SASS). docs/performance.md quotes that table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_variants_in_subprocess(test_file: str) -> str:
+    """Run ``test_file``'s ``variant`` tests without the interpreter; fail with their output."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
+                             os.path.abspath(test_file), "-k", "variant"], env=env, capture_output=True, text=True,
+                            timeout=1200, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, max_stack: int = 0):
+    """Compile ``fn`` for sm_90 with 16-byte aligned pointers (what a real launch specializes them to),
+    check that it spills nothing and keeps at most ``max_stack`` bytes of stack frame, and report its
+    resource use (see the module docstring)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("interpreter mode: the variants are compiled in a subprocess without TRITON_INTERPRET")
+    names = fn.arg_names
+    signature = {name: ("constexpr" if name in constexprs else types[name]) for name in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if signature[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    usage = resource_usage(compiled)
+    if usage is not None:
+        _report(compiled, constexprs, num_warps, usage)
+        assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, f"{compiled.metadata.name} spills: {usage}"
+        assert usage["stack"] <= max_stack, f"{compiled.metadata.name} has a stack frame: {usage}"
+    return compiled
+
+
+def _tool(name: str) -> str | None:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.path.exists(path) else None
+
+
+def _run_on(data, suffix: str, *command) -> str:
+    with tempfile.NamedTemporaryFile(suffix=suffix, mode="wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        done = subprocess.run([*command, f.name], capture_output=True, text=True)
+        return done.stdout + done.stderr
+
+
+def resource_usage(compiled) -> dict | None:
+    """ptxas's registers, stack frame and spill bytes (sm_90a, the PTX's target) and the number of
+    global loads / stores in the SASS, and of those 128 bits wide; None without Triton's ptxas and cuobjdump."""
+    ptxas, cuobjdump = _tool("ptxas"), _tool("cuobjdump")
+    if ptxas is None or cuobjdump is None:
+        return None
+    info = _run_on(compiled.asm["ptx"], ".ptx", ptxas, "-v", "--gpu-name", "sm_90a", "-o", os.devnull)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    regs = re.search(r"Used (\d+) registers", info)
+    assert frame and regs, info
+    out = dict(reg=int(regs.group(1)), stack=int(frame.group(1)), spill_stores=int(frame.group(2)),
+               spill_loads=int(frame.group(3)))
+    sass = _run_on(compiled.asm["cubin"], ".cubin", cuobjdump, "-sass")
+    for op in ("LDG", "STG"):
+        accesses = re.findall(rf"\b{op}\.E[.\w]*", sass)
+        out[op.lower()] = len(accesses)
+        out[op.lower() + "128"] = sum(".128" in a for a in accesses)
+    return out
+
+
+def _report(compiled, constexprs: dict, num_warps: int, usage: dict) -> None:
+    path = os.environ.get("DSV4OPS_SM90_REPORT")
+    if not path:
+        return
+    consts = " ".join(f"{k}={v}" for k, v in constexprs.items())
+    with open(path, "a") as f:
+        f.write(f"| {compiled.metadata.name} | {consts} | {num_warps} | {usage['reg']} | {usage['stack']} | "
+                f"{usage['ldg128']} of {usage['ldg']} | {usage['stg128']} of {usage['stg']} |\n")
