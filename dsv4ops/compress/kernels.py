@@ -87,6 +87,21 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ decode
     @triton.jit
+    def _pool_window_tiles(scores, values, STEPS: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Per-channel softmax pooling of a window held as ``STEPS`` tiles of ``[rows, BLOCK_D]``
+        (all loaded before this runs): the max over every tile, then one pass of exp-weighted sums."""
+        m = tl.max(scores[0], axis=0)
+        for step in tl.static_range(1, STEPS):
+            m = tl.maximum(m, tl.max(scores[step], axis=0))
+        num = tl.zeros([BLOCK_D], tl.float32)
+        den = tl.zeros([BLOCK_D], tl.float32)
+        for step in tl.static_range(STEPS):
+            e = tl.exp(scores[step] - m[None, :])
+            den += tl.sum(e, axis=0)
+            num += tl.sum(e * values[step], axis=0)
+        return num / den
+
+    @triton.jit
     def decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
                    HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
         """Decode one request for channels ``d``: write its new row into the ring, pool at a chunk end.
@@ -147,16 +162,7 @@ if HAVE_TRITON:
                 ape = tl.load(ape_ptr + w[:, None] * D + d[None, :]).to(tl.float32)
                 scores = scores + (tl.where(present, score + ape, float("-inf")),)
                 values = values + (kv,)
-            m = tl.max(scores[0], axis=0)
-            for step in tl.static_range(1, STEPS):
-                m = tl.maximum(m, tl.max(scores[step], axis=0))
-            num = tl.zeros([BLOCK_D], tl.float32)
-            den = tl.zeros([BLOCK_D], tl.float32)
-            for step in tl.static_range(STEPS):
-                e = tl.exp(scores[step] - m[None, :])
-                den += tl.sum(e, axis=0)
-                num += tl.sum(e * values[step], axis=0)
-            result = num / den
+            result = _pool_window_tiles(scores, values, STEPS, BLOCK_D)
         tl.store(out_ptr + b * D + d, cast_rne(result, out_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
@@ -258,16 +264,7 @@ if HAVE_TRITON:
             ape = tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
             scores = scores + (score + ape,)
             values = values + (kv,)
-        m = tl.max(scores[0], axis=0)
-        for step in tl.static_range(1, STEPS):
-            m = tl.maximum(m, tl.max(scores[step], axis=0))
-        num = tl.zeros([BLOCK_D], tl.float32)
-        den = tl.zeros([BLOCK_D], tl.float32)
-        for step in tl.static_range(STEPS):
-            e = tl.exp(scores[step] - m[None, :])
-            den += tl.sum(e, axis=0)
-            num += tl.sum(e * values[step], axis=0)
-        return num / den
+        return _pool_window_tiles(scores, values, STEPS, BLOCK_D)
 
     @triton.jit
     def _pool_c128_kernel(
