@@ -2,9 +2,10 @@
 # Full GPU acceptance run (issue: Triton kernels). Needs a CUDA GPU; runs from any directory.
 #   tests/gpu/run_all.sh [output dir]
 # 1. the whole test suite on CUDA (every op and kernel on the GPU against the reference and the
-#    golden loops; the CPU tests too), in parallel when pytest-xdist is there
+#    golden loops; the CPU tests too; AOTInductor packages on CUDA in a fresh process,
+#    tests/test_deploy.py), in parallel when pytest-xdist is there
 # 2. GPU-only acceptance: opcheck on CUDA, CUDA graphs (reduce-overhead) over 300 decode steps,
-#    buffers written in place under torch.compile, AOTInductor package in a fresh process
+#    buffers written in place under torch.compile
 # 3. compute-sanitizer memcheck over the GPU kernel tests (every kernel variant)
 # Writes suite.log, gpu.log, memcheck.log and summary.txt to the output dir.
 set -uo pipefail
