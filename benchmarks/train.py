@@ -97,13 +97,9 @@ def _compress_rows(quick: bool) -> list:
             ref_eager=_bench(eager, quick),
             ref_compiled=_bench(comp, quick),
         )
-        row = dict(op="compress_train", ratio=r, B=B, T=T, D=D, dtype=str(dtype).replace("torch.", ""),
-                   bytes=nbytes["total"], **{f"{k}_us": v for k, v in times.items()})
-        row["triton_GBps"] = nbytes["total"] / times["triton"] / 1e3
+        row = _row("compress_train", r, B, T, D, dtype, nbytes["total"], times)
         row["fwd_GBps"] = nbytes["fwd"] / times["fwd"] / 1e3
         row["bwd_GBps"] = nbytes["bwd"] / times["bwd"] / 1e3
-        row["speedup_vs_eager"] = times["ref_eager"] / times["triton"]
-        row["speedup_vs_compiled"] = times["ref_compiled"] / times["triton"]
         rows.append(row)
         print(_fmt(row), flush=True)
     return rows
@@ -135,14 +131,20 @@ def _norm_rope_rows(quick: bool) -> list:
 
         times = dict(triton=_bench(step(norm_rope), quick), ref_eager=_bench(step(norm_rope_reference), quick),
                      ref_compiled=_bench(step(compiled_ref), quick))
-        row = dict(op="norm_rope", ratio=0, B=1, T=n, D=D, dtype=str(dtype).replace("torch.", ""), bytes=nbytes,
-                   **{f"{k}_us": v for k, v in times.items()})
-        row["triton_GBps"] = nbytes / times["triton"] / 1e3
-        row["speedup_vs_eager"] = times["ref_eager"] / times["triton"]
-        row["speedup_vs_compiled"] = times["ref_compiled"] / times["triton"]
+        row = _row("norm_rope", 0, 1, n, D, dtype, nbytes, times)
         rows.append(row)
         print(_fmt(row), flush=True)
     return rows
+
+
+def _row(op: str, ratio: int, B: int, T: int, D: int, dtype, nbytes: int, times: dict) -> dict:
+    """One result row: times (``<name>_us``), forward + backward GB/s and speedups over the references."""
+    row = dict(op=op, ratio=ratio, B=B, T=T, D=D, dtype=str(dtype).replace("torch.", ""), bytes=nbytes,
+               **{f"{k}_us": v for k, v in times.items()})
+    row["triton_GBps"] = nbytes / times["triton"] / 1e3
+    row["speedup_vs_eager"] = times["ref_eager"] / times["triton"]
+    row["speedup_vs_compiled"] = times["ref_compiled"] / times["triton"]
+    return row
 
 
 def _fmt(row: dict) -> str:
