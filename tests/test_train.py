@@ -537,7 +537,16 @@ NORM_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("override,exc,fragment", NORM_ERRORS, ids=lambda v: str(v)[:30] if isinstance(v, dict) else None)
+def _override_id(v):
+    """Test id of an argument override: names, shapes, dtypes and devices, never values (ids must be
+    the same in every pytest-xdist worker)."""
+    if not isinstance(v, dict):
+        return None
+    describe = lambda t: f"{tuple(t.shape)}{str(t.dtype)[6:]}{t.device.type}" if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return "-".join(f"{k}{describe(t)}" for k, t in v.items())
+
+
+@pytest.mark.parametrize("override,exc,fragment", NORM_ERRORS, ids=_override_id)
 def test_norm_rope_errors(override, exc, fragment):
     ops = _ops()
     a = _norm_error_args(**override)

@@ -49,15 +49,20 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ plan decoding
     @triton.jit
-    def _compress_plan_rows(plan_ptr, k, in_plan):
-        """Fields of CompressPlan rows ``k``: (word0, seq_len int64, ragged, buffer_len, page0, page1)."""
-        word0 = tl.load(plan_ptr + k * 4, mask=in_plan, other=-1)
-        word1 = tl.load(plan_ptr + k * 4 + 1, mask=in_plan, other=0)
-        page0 = tl.load(plan_ptr + k * 4 + 2, mask=in_plan, other=-1).to(tl.int64)
-        page1 = tl.load(plan_ptr + k * 4 + 3, mask=in_plan, other=-1).to(tl.int64)
+    def _compress_plan_fields(words, in_plan):
+        """Fields of CompressPlan rows from their ``[N, 4]`` int32 words (loaded by the kernel body, where
+        the index loads of a kernel must be, see ``decode_step.kernels``):
+        (word0, seq_len int64, ragged, buffer_len, page0, page1); rows off ``in_plan`` read as padding."""
+        even, odd = tl.split(tl.reshape(words, [words.shape[0], 2, 2]))
+        word0, page0 = tl.split(even)
+        word1, page1 = tl.split(odd)
+        word0 = tl.where(in_plan, word0, -1)
+        word1 = tl.where(in_plan, word1, 0)
         seq_len = word0.to(tl.int64) & 0xFFFFFFFF
         ragged = (word1 & 0xFFFF).to(tl.int64)
         buffer_len = ((word1 >> 16) & 0xFFFF).to(tl.int64)
+        page0 = tl.where(in_plan, page0, -1).to(tl.int64)
+        page1 = tl.where(in_plan, page1, -1).to(tl.int64)
         return word0, seq_len, ragged, buffer_len, page0, page1
 
     @triton.jit
@@ -190,7 +195,8 @@ if HAVE_TRITON:
         k = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         in_plan = k < num_events
-        word0, seq_len, ragged, buffer_len, page0, page1 = _compress_plan_rows(plan_ptr, k, in_plan)
+        words = tl.load(plan_ptr + k[:, None] * 4 + tl.arange(0, 4)[None, :], mask=in_plan[:, None], other=-1)
+        word0, seq_len, ragged, buffer_len, page0, page1 = _compress_plan_fields(words, in_plan)
         valid, has_overlap = _c4_event_valid(word0, seq_len, ragged, buffer_len, page0, page1,
                                              num_state_rows, num_inputs)
 
@@ -280,7 +286,8 @@ if HAVE_TRITON:
             t = first + tl.arange(0, CHUNK)
             k = g + t.to(tl.int64) * num_programs
             in_plan = k < num_events
-            word0, seq_len, ragged, buffer_len, page0, page1 = _compress_plan_rows(plan_ptr, k, in_plan)
+            words = tl.load(plan_ptr + k[:, None] * 4 + tl.arange(0, 4)[None, :], mask=in_plan[:, None], other=-1)
+            word0, seq_len, ragged, buffer_len, page0, page1 = _compress_plan_fields(words, in_plan)
             valid = in_plan & _c128_event_valid(word0, seq_len, ragged, buffer_len, page1, num_state_rows, num_inputs)
             zero = tl.zeros([CHUNK, BLOCK_D], tl.float32)
             tl.store(out_ptr + k[:, None] * D + d[None, :], zero.to(out_dtype), mask=(in_plan & ~valid)[:, None])

@@ -31,13 +31,12 @@ if HAVE_TRITON:
 
     from ..compress.kernels import decode_row
     from ..planner.kernels import _page, _state_row
-    from ..store.kernels import _store_indexer_rows, _store_main_rows, _store_targets
+    from ..store.kernels import _store_indexer_rows, _store_main_rows, _store_rows, _store_slots
 
     @triton.jit
     def _plan_request(b, rpi_ptr, seq_ptr, plan_ptr, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
-                      sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr, HAS_TABLE: tl.constexpr,
-                      WRITE: tl.constexpr):
-        """The DecodePlan row of request ``b`` (as ``plan_decode`` computes it); stored when ``WRITE``."""
+                      sps, ring, RATIO: tl.constexpr, ADDRESSING: tl.constexpr, HAS_TABLE: tl.constexpr):
+        """Write the DecodePlan row of request ``b`` (as ``plan_decode`` computes it)."""
         rid = tl.load(rpi_ptr + b).to(tl.int32)
         seq64 = tl.load(seq_ptr + b)
         live = seq64 >= 1
@@ -45,13 +44,16 @@ if HAVE_TRITON:
         lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE)
         write_loc = _state_row(rid, seq - 1, live, *lookup)
         page0 = _page(_state_row(rid, tl.maximum(seq - 1 - RATIO, 0), live, *lookup), RATIO)
-        page1 = _page(write_loc, RATIO)
-        if WRITE:
-            tl.store(plan_ptr + b * 4, seq)
-            tl.store(plan_ptr + b * 4 + 1, write_loc)
-            tl.store(plan_ptr + b * 4 + 2, page0)
-            tl.store(plan_ptr + b * 4 + 3, page1)
-        return (seq.to(tl.int64) & 0xFFFFFFFF), write_loc.to(tl.int64), page0.to(tl.int64), page1.to(tl.int64)
+        tl.store(plan_ptr + b * 4, seq)
+        tl.store(plan_ptr + b * 4 + 1, write_loc)
+        tl.store(plan_ptr + b * 4 + 2, page0)
+        tl.store(plan_ptr + b * 4 + 3, _page(write_loc, RATIO))
+
+    # The plan row is written, then read back after a block barrier rather than returned: every
+    # address a kernel stores to must come from a tl.load in the kernel body. Inductor's mutation
+    # analysis of user Triton kernels follows a store address back through helper calls and
+    # counts every pointer handed to a helper that returns it as written (req_to_token, seq_lens,
+    # ...), and CUDA graphs are then skipped for a graph whose inputs look mutated.
 
     @triton.jit
     def _decode_step_c4_kernel(
@@ -63,17 +65,24 @@ if HAVE_TRITON:
         SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
-        seq_len, write_loc, page0, page1 = _plan_request(
-            b, rpi_ptr, seq_ptr, plan_ptr, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring,
-            4, ADDRESSING, HAS_TABLE, True)
+        _plan_request(b, rpi_ptr, seq_ptr, plan_ptr, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps,
+                      ring, 4, ADDRESSING, HAS_TABLE)
+        tl.debug_barrier()  # the plan row, written by other threads of this program
+        word0 = tl.load(plan_ptr + b * 4)
+        seq_len = word0.to(tl.int64) & 0xFFFFFFFF
+        write_loc = tl.load(plan_ptr + b * 4 + 1).to(tl.int64)
+        page0 = tl.load(plan_ptr + b * 4 + 2).to(tl.int64)
+        page1 = tl.load(plan_ptr + b * 4 + 3).to(tl.int64)
         d = tl.arange(0, HEAD_DIM)
         decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
                    HEAD_DIM, 4, HEAD_DIM, 8)
         if (seq_len % 4 == 0) & (seq_len >= 4):
-            tl.debug_barrier()  # out[b] and the plan row, written by other threads of this program
+            tl.debug_barrier()  # out[b], written by other threads of this program
             rows = b + tl.arange(0, 1)
-            live, base, slot, pos = _store_targets(plan_ptr, out_loc_ptr, rows, bs, num_locs, num_freq_rows,
-                                                   num_pages, log2_page, page_bytes, True, 4)
+            words0 = word0 + tl.zeros([1], tl.int32)
+            live, loc_index = _store_rows(words0, words0, rows, bs, num_locs, True, 4)
+            loc = tl.load(out_loc_ptr + loc_index, mask=live, other=-1).to(tl.int64)
+            live, base, slot, pos = _store_slots(words0, loc, live, num_freq_rows, num_pages, log2_page, page_bytes, 4)
             if HEAD_DIM == 512:
                 _store_main_rows(out_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
                                  log2_page, FLAG, SLOT_BYTES, SCALE_STRIDE)
@@ -89,14 +98,15 @@ if HAVE_TRITON:
     ):
         b = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
-        seq_len, write_loc, page0, page1 = _plan_request(
-            b, rpi_ptr, seq_ptr, plan_ptr, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring,
-            128, ADDRESSING, HAS_TABLE, False)
-        if block == 0:  # one writer per plan row
-            tl.store(plan_ptr + b * 4, seq_len.to(tl.int32))
-            tl.store(plan_ptr + b * 4 + 1, write_loc.to(tl.int32))
-            tl.store(plan_ptr + b * 4 + 2, page0.to(tl.int32))
-            tl.store(plan_ptr + b * 4 + 3, page1.to(tl.int32))
+        # every channel block of request b writes the same 16 bytes of its plan row, then reads back
+        # its own write (no program waits for another)
+        _plan_request(b, rpi_ptr, seq_ptr, plan_ptr, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps,
+                      ring, 128, ADDRESSING, HAS_TABLE)
+        tl.debug_barrier()
+        seq_len = tl.load(plan_ptr + b * 4).to(tl.int64) & 0xFFFFFFFF
+        write_loc = tl.load(plan_ptr + b * 4 + 1).to(tl.int64)
+        page0 = tl.load(plan_ptr + b * 4 + 2).to(tl.int64)
+        page1 = tl.load(plan_ptr + b * 4 + 3).to(tl.int64)
         d = block * BLOCK_D + tl.arange(0, BLOCK_D)
         decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
                    HEAD_DIM, 128, BLOCK_D, 32)

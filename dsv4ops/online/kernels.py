@@ -1,7 +1,7 @@
 """Triton kernels of the online ratio-128 compressor.
 
 * planners: decode is elementwise; prefill is one launch built on the offline planner's
-  ``locate_rows`` (per ragged row: its request and the segments of the requests before
+  ``walk_chunk`` and ``row_fields`` (per ragged row: its request and the segments of the requests before
   it). A segment ends at a chunk end (close, closed-form plan_c row) or at the
   request's last token (write, at most one per request), so both destinations are
   closed form too.
@@ -25,7 +25,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .._triton_formats import cast_rne
-    from ..planner.kernels import _words4, locate_rows
+    from ..planner.kernels import _words4, row_fields, walk_chunk
 
     @triton.jit
     def _plan_online_decode_kernel(rpi_ptr, seq_ptr, plan_ptr, bs, offset, BLOCK: tl.constexpr):
@@ -44,8 +44,37 @@ if HAVE_TRITON:
         """Segments in closed form: close segment of position p (a chunk end) -> plan_c row
         ``closes before the request + (p + 1) // 128 - prefix // 128 - 1``; the request's trailing write
         segment (its last position, not a chunk end) -> plan_w row ``write segments before the request``."""
-        i, in_rows, ok, j, pos, prefix, seq, rid, close_base, write_base, total_close, total_write = locate_rows(
-            tl.program_id(0) * ROWS, num_q_tokens, bs, rpi_ptr, seq_ptr, ext_ptr, 0, 1, 128, 0, True, ROWS, CHUNK)
+        i0 = tl.program_id(0) * ROWS
+        i = i0 + tl.arange(0, ROWS)
+        lane = tl.arange(0, CHUNK)
+        b = tl.zeros([ROWS], tl.int32)  # per row: requests that end at or before it
+        begin = tl.zeros([ROWS], tl.int32)  # their rows, close and write segments
+        close_base = tl.zeros([ROWS], tl.int32)
+        write_base = tl.zeros([ROWS], tl.int32)
+        done = tl.sum(b, 0)
+        total_close = tl.sum(b, 0)
+        total_write = tl.sum(b, 0)
+        seq_next = tl.load(seq_ptr + lane, mask=lane < bs, other=0)
+        ext_next = tl.load(ext_ptr + lane, mask=lane < bs, other=0)
+        rid_next = tl.load(rpi_ptr + lane, mask=lane < bs, other=0)
+        c0 = 0
+        while c0 < bs:  # the walk of planner.kernels._plan_prefill_kernel, loads in the body (see walk_chunk)
+            seq64 = seq_next
+            ext64 = ext_next
+            rid_ok = rid_next >= 0
+            nxt = c0 + CHUNK + lane
+            seq_next = tl.load(seq_ptr + nxt, mask=nxt < bs, other=0)
+            ext_next = tl.load(ext_ptr + nxt, mask=nxt < bs, other=0)
+            rid_next = tl.load(rpi_ptr + nxt, mask=nxt < bs, other=0)
+            b, begin, close_base, write_base, done, total_close, total_write = walk_chunk(
+                i, i0, c0, bs, seq64, ext64, rid_ok, b, begin, close_base, write_base, done, total_close, total_write,
+                num_q_tokens, 0, 1, 128, 0, True, ROWS, CHUNK)
+            c0 += CHUNK
+        in_rows = i < num_q_tokens
+        live = in_rows & (b < bs)
+        ok, j, pos, prefix, seq, rid = row_fields(
+            i, live, begin, tl.load(seq_ptr + b, mask=live, other=0), tl.load(ext_ptr + b, mask=live, other=0),
+            tl.load(rpi_ptr + b, mask=live, other=0), True)
         start = tl.maximum(pos - pos % 128, prefix)  # first position of the segment
         ends_chunk = (pos + 1) % 128 == 0
         is_close = ok & ends_chunk

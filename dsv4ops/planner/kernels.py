@@ -116,77 +116,58 @@ if HAVE_TRITON:
                                                  RATIO, ADDRESSING), 0)
         return events, writes
 
+    # Locating ragged rows. A block of ROWS ragged rows ``i`` walks the batch in chunks of CHUNK
+    # requests and keeps, per row, the requests that end at or before it and their rows, events and
+    # writes. The kernel body does the loads (seq_lens, extend_lens, request ids) and the loop; the
+    # helpers below only compute. Inductor's mutation analysis of user Triton kernels counts every
+    # pointer handed to a helper whose result feeds a store address as written, and a compiled
+    # graph whose inputs look mutated skips CUDA graphs.
     @triton.jit
-    def locate_rows(i0, num_q_tokens, bs, rpi_ptr, seq_ptr, ext_ptr, spec_pad, sps,
-                    RATIO: tl.constexpr, ADDRESSING: tl.constexpr, ONLINE: tl.constexpr,
-                    ROWS: tl.constexpr, CHUNK: tl.constexpr):
-        """Ragged rows ``i0 + [0, ROWS)``: ``(i, in range, belongs to a valid request, index inside the request's
-        extend, position, prefix, seq_len, request id, events before the row's request, writes before it,
-        total events, total writes)``; all int32. Event/write counting as in ``_request_counts``."""
-        i = i0 + tl.arange(0, ROWS)
-        lane = tl.arange(0, CHUNK)
-        b = tl.zeros([ROWS], tl.int32)  # requests that end at or before row i
-        begin = tl.zeros([ROWS], tl.int32)  # their rows: the ragged start of row i's request
-        ev_base = tl.zeros([ROWS], tl.int32)
-        wr_base = tl.zeros([ROWS], tl.int32)
-        done = tl.sum(b, 0)  # ragged rows of the requests walked so far, clamped at 65536 (> any row)
-        ev_total = tl.sum(b, 0)
-        wr_total = tl.sum(b, 0)
-        seq_next = tl.load(seq_ptr + lane, mask=lane < bs, other=0)
-        ext_next = tl.load(ext_ptr + lane, mask=lane < bs, other=0)
-        if ONLINE:
-            rid_next = tl.load(rpi_ptr + lane, mask=lane < bs, other=0)
-        c0 = 0
-        while c0 < bs:
-            k = c0 + lane
-            in_batch = k < bs
-            seq64 = seq_next
-            ext64 = ext_next
-            ok = in_batch & (ext64 >= 0) & (ext64 <= seq64)
-            if ONLINE:
-                ok = ok & (rid_next >= 0)
-            nxt = k + CHUNK
-            seq_next = tl.load(seq_ptr + nxt, mask=nxt < bs, other=0)  # in flight while this chunk is processed
-            ext_next = tl.load(ext_ptr + nxt, mask=nxt < bs, other=0)
-            if ONLINE:
-                rid_next = tl.load(rpi_ptr + nxt, mask=nxt < bs, other=0)
-            rows = tl.minimum(tl.maximum(ext64, 0), 65536).to(tl.int32)  # ragged rows the request occupies
-            ends = done + tl.cumsum(rows, 0)
-            events, writes = _request_counts(ends - rows, rows, seq64, ext64, ok, num_q_tokens, spec_pad, sps,
-                                             RATIO, ADDRESSING, ONLINE)
-            chunk_rows = tl.sum(rows, 0)
-            chunk_events = tl.sum(events, 0)
-            chunk_writes = tl.sum(writes, 0)
-            if done + chunk_rows <= i0:  # every request of the chunk ends before the block
-                b += tl.minimum(bs - c0, CHUNK)
-                begin += chunk_rows
-                ev_base += chunk_events
-                wr_base += chunk_writes
-            elif done < i0 + ROWS:  # the chunk straddles the block
-                # [CHUNK, ROWS] (not [ROWS, CHUNK]): each thread then holds a whole chunk column for its row
-                # and the sums are thread-local
-                before = (ends[:, None] <= i[None, :]) & in_batch[:, None]
-                b += tl.sum(before.to(tl.int32), 0)
-                begin += tl.sum(tl.where(before, rows[:, None], 0), 0)
-                ev_base += tl.sum(tl.where(before, events[:, None], 0), 0)
-                wr_base += tl.sum(tl.where(before, writes[:, None], 0), 0)
-            done = tl.minimum(done + chunk_rows, 65536)
-            ev_total += chunk_events
-            wr_total += chunk_writes
-            c0 += CHUNK
-        in_rows = i < num_q_tokens
-        live = in_rows & (b < bs)
-        seq64 = tl.load(seq_ptr + b, mask=live, other=0)
-        ext64 = tl.load(ext_ptr + b, mask=live, other=0)
-        rid64 = tl.load(rpi_ptr + b, mask=live, other=0)
+    def walk_chunk(i, i0, c0, bs, seq64, ext64, rid_ok, b, begin, ev_base, wr_base, done, ev_total, wr_total,
+                   num_q_tokens, spec_pad, sps, RATIO: tl.constexpr, ADDRESSING: tl.constexpr, ONLINE: tl.constexpr,
+                   ROWS: tl.constexpr, CHUNK: tl.constexpr):
+        """Fold requests ``c0 + [0, CHUNK)`` (their seq_lens, extend_lens, ``rid_ok``) into the walk state
+        ``(b, begin, ev_base, wr_base)`` per row and ``(done, ev_total, wr_total)`` of the block.
+
+        ``done``: ragged rows of the requests walked so far, clamped at 65536 (> any row)."""
+        k = c0 + tl.arange(0, CHUNK)
+        in_batch = k < bs
+        ok = in_batch & (ext64 >= 0) & (ext64 <= seq64) & rid_ok
+        rows = tl.minimum(tl.maximum(ext64, 0), 65536).to(tl.int32)  # ragged rows the request occupies
+        ends = done + tl.cumsum(rows, 0)
+        events, writes = _request_counts(ends - rows, rows, seq64, ext64, ok, num_q_tokens, spec_pad, sps,
+                                         RATIO, ADDRESSING, ONLINE)
+        chunk_rows = tl.sum(rows, 0)
+        chunk_events = tl.sum(events, 0)
+        chunk_writes = tl.sum(writes, 0)
+        if done + chunk_rows <= i0:  # every request of the chunk ends before the block
+            b += tl.minimum(bs - c0, CHUNK)
+            begin += chunk_rows
+            ev_base += chunk_events
+            wr_base += chunk_writes
+        elif done < i0 + ROWS:  # the chunk straddles the block
+            # [CHUNK, ROWS] (not [ROWS, CHUNK]): each thread then holds a whole chunk column for its row
+            # and the sums are thread-local
+            before = (ends[:, None] <= i[None, :]) & in_batch[:, None]
+            b += tl.sum(before.to(tl.int32), 0)
+            begin += tl.sum(tl.where(before, rows[:, None], 0), 0)
+            ev_base += tl.sum(tl.where(before, events[:, None], 0), 0)
+            wr_base += tl.sum(tl.where(before, writes[:, None], 0), 0)
+        return (b, begin, ev_base, wr_base, tl.minimum(done + chunk_rows, 65536), ev_total + chunk_events,
+                wr_total + chunk_writes)
+
+    @triton.jit
+    def row_fields(i, live, begin, seq64, ext64, rid64, ONLINE: tl.constexpr):
+        """Rows ``i`` of request ``b`` (``live``: in range and ``b < bs``; ``seq64, ext64, rid64``: its
+        seq_len, extend_len, id): (belongs to a valid request, index inside the request's extend,
+        position, prefix, seq_len, request id), int32."""
         ok = live & (ext64 >= 0) & (ext64 <= seq64)
         if ONLINE:
             ok = ok & (rid64 >= 0)
-        rid = rid64.to(tl.int32)
         seq = seq64.to(tl.int32)
         prefix = seq - ext64.to(tl.int32)
         j = i - begin
-        return i, in_rows, ok, j, prefix + j, prefix, seq, rid, ev_base, wr_base, ev_total, wr_total
+        return ok, j, prefix + j, prefix, seq, rid64.to(tl.int32)
 
     @triton.jit
     def _plan_decode_kernel(
@@ -214,9 +195,34 @@ if HAVE_TRITON:
         ROWS: tl.constexpr, CHUNK: tl.constexpr,
     ):
         W: tl.constexpr = 8 if RATIO == 4 else RATIO
-        i, in_rows, ok, j, pos, prefix, seq, rid, ev_base, wr_base, total_events, total_writes = locate_rows(
-            tl.program_id(0) * ROWS, num_q_tokens, bs, rpi_ptr, seq_ptr, ext_ptr, spec_pad, sps,
-            RATIO, ADDRESSING, False, ROWS, CHUNK)
+        i0 = tl.program_id(0) * ROWS
+        i = i0 + tl.arange(0, ROWS)
+        lane = tl.arange(0, CHUNK)
+        b = tl.zeros([ROWS], tl.int32)  # per row: requests that end at or before it
+        begin = tl.zeros([ROWS], tl.int32)  # their rows: the ragged start of the row's request
+        ev_base = tl.zeros([ROWS], tl.int32)  # their events and writes
+        wr_base = tl.zeros([ROWS], tl.int32)
+        done = tl.sum(b, 0)
+        total_events = tl.sum(b, 0)
+        total_writes = tl.sum(b, 0)
+        seq_next = tl.load(seq_ptr + lane, mask=lane < bs, other=0)
+        ext_next = tl.load(ext_ptr + lane, mask=lane < bs, other=0)
+        c0 = 0
+        while c0 < bs:
+            seq64 = seq_next
+            ext64 = ext_next
+            nxt = c0 + CHUNK + lane
+            seq_next = tl.load(seq_ptr + nxt, mask=nxt < bs, other=0)  # in flight while this chunk is walked
+            ext_next = tl.load(ext_ptr + nxt, mask=nxt < bs, other=0)
+            b, begin, ev_base, wr_base, done, total_events, total_writes = walk_chunk(
+                i, i0, c0, bs, seq64, ext64, lane >= 0, b, begin, ev_base, wr_base, done, total_events, total_writes,
+                num_q_tokens, spec_pad, sps, RATIO, ADDRESSING, False, ROWS, CHUNK)
+            c0 += CHUNK
+        in_rows = i < num_q_tokens
+        live = in_rows & (b < bs)
+        ok, j, pos, prefix, seq, rid = row_fields(
+            i, live, begin, tl.load(seq_ptr + b, mask=live, other=0), tl.load(ext_ptr + b, mask=live, other=0),
+            tl.load(rpi_ptr + b, mask=live, other=0), False)
         lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE)
 
         is_event = ok & ((pos + 1) % RATIO == 0)

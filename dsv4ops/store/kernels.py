@@ -81,21 +81,23 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ shared steps
     @triton.jit
-    def _store_targets(plan_ptr, out_loc_ptr, rows, num_rows, num_locs, num_freq_rows, num_pages, log2_page,
-                       page_bytes, IS_DECODE: tl.constexpr, RATIO: tl.constexpr):
-        """Which rows are stored: (live, byte offset of the page, slot in the page, RoPE position)."""
-        in_rows = rows < num_rows
-        word0 = tl.load(plan_ptr + rows * 4, mask=in_rows, other=-1)
+    def _store_rows(word0, word1, rows, num_rows, num_locs, IS_DECODE: tl.constexpr, RATIO: tl.constexpr):
+        """Which plan rows store a token, from their first two plan words: (live, index into out_loc)."""
         seq_len = word0.to(tl.int64) & 0xFFFFFFFF
+        in_rows = rows < num_rows
         if IS_DECODE:
             live = in_rows & (seq_len % RATIO == 0) & (seq_len >= RATIO)
             loc_index = rows
         else:
             live = in_rows & (word0 != -1) & (seq_len >= RATIO)
-            loc_index = tl.load(plan_ptr + rows * 4 + 1, mask=in_rows, other=0).to(tl.int64) & 0xFFFF
-        live = live & (loc_index < num_locs)
-        loc = tl.load(out_loc_ptr + loc_index, mask=live, other=-1).to(tl.int64)
-        pos = seq_len - RATIO
+            loc_index = word1.to(tl.int64) & 0xFFFF
+        return live & (loc_index < num_locs), loc_index
+
+    @triton.jit
+    def _store_slots(word0, loc, live, num_freq_rows, num_pages, log2_page, page_bytes, RATIO: tl.constexpr):
+        """Where each live row goes, from its plan word 0 and its cache slot ``loc``:
+        (live, byte offset of the page, slot in the page, RoPE position)."""
+        pos = (word0.to(tl.int64) & 0xFFFFFFFF) - RATIO
         page = loc >> log2_page
         live = live & (loc >= 0) & (page < num_pages) & (pos < num_freq_rows)
         return live, page * page_bytes, loc & ((1 << log2_page) - 1), pos  # int64: caches can exceed 2 GiB
@@ -176,8 +178,13 @@ if HAVE_TRITON:
         SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        live, base, slot, pos = _store_targets(plan_ptr, out_loc_ptr, rows, num_rows, num_locs, num_freq_rows,
-                                               num_pages, log2_page, page_bytes, IS_DECODE, RATIO)
+        # the index loads stay in the kernel body: Inductor's mutation analysis of user Triton kernels
+        # treats every pointer passed to a helper whose result feeds a store address as written
+        word0 = tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1)
+        word1 = tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0)
+        live, loc_index = _store_rows(word0, word1, rows, num_rows, num_locs, IS_DECODE, RATIO)
+        loc = tl.load(out_loc_ptr + loc_index, mask=live, other=-1).to(tl.int64)
+        live, base, slot, pos = _store_slots(word0, loc, live, num_freq_rows, num_pages, log2_page, page_bytes, RATIO)
         # plans are padded (prefill) or mostly non-boundary (decode): skip blocks with no row to store
         if tl.max(live.to(tl.int32), axis=0) > 0:
             _store_main_rows(kv_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps, log2_page,
@@ -228,8 +235,13 @@ if HAVE_TRITON:
         SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        live, base, slot, pos = _store_targets(plan_ptr, out_loc_ptr, rows, num_rows, num_locs, num_freq_rows,
-                                               num_pages, log2_page, page_bytes, IS_DECODE, RATIO)
+        # the index loads stay in the kernel body: Inductor's mutation analysis of user Triton kernels
+        # treats every pointer passed to a helper whose result feeds a store address as written
+        word0 = tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1)
+        word1 = tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0)
+        live, loc_index = _store_rows(word0, word1, rows, num_rows, num_locs, IS_DECODE, RATIO)
+        loc = tl.load(out_loc_ptr + loc_index, mask=live, other=-1).to(tl.int64)
+        live, base, slot, pos = _store_slots(word0, loc, live, num_freq_rows, num_pages, log2_page, page_bytes, RATIO)
         if tl.max(live.to(tl.int32), axis=0) > 0:
             _store_indexer_rows(kv_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps, log2_page,
                                 FP4, SLOT_BYTES, SCALE_STRIDE, BLOCK_M)

@@ -131,12 +131,14 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ ratio 4
     @triton.jit
-    def _pool4_window(x_ptr, ape_ptr, q, d, T, N, num_out, HEAD_DIM: tl.constexpr):
-        """The 8-row window of compressed tokens ``q``: A rows (chunk n-1) and B rows (chunk n).
+    def _pool4_rows(q, d, T, N, num_out, HEAD_DIM: tl.constexpr):
+        """Where the 8-row window of compressed tokens ``q`` lives: A rows (chunk n-1), B rows (chunk n).
 
-        Returns ``(kv_a, s_a, kv_b, s_b)`` ``[BLOCK_Q, 4, BLOCK_D]`` fp32 (scores biased, A
-        scores -inf for n = 0), the element offsets ``at_a``/``at_b`` of the kv parts, the
-        masks and ``(b, n)``.
+        Returns the element offsets ``at_a``/``at_b`` ``[BLOCK_Q, 4, BLOCK_D]`` of their kv parts,
+        whether the A rows exist, the masks, ``(b, n)`` and the B row indices. Pure index math: the
+        stores of the backward kernel address through it, and a pointer passed to a helper whose
+        result feeds a store address would count as written for Inductor (see
+        tests/test_kernel_mutations.py).
         """
         D: tl.constexpr = HEAD_DIM
         q_ok = q < num_out
@@ -145,10 +147,16 @@ if HAVE_TRITON:
         j = tl.arange(0, 4)
         row_b = (b * T + n * 4)[:, None] + j[None, :]  # tokens 4n .. 4n+3
         has_a = q_ok & (n > 0)
-        live_a = has_a[:, None, None]
-        live_b = q_ok[:, None, None]
         at_a = (row_b - 4)[:, :, None] * (4 * D) + d[None, None, :]  # kv_A of tokens 4n-4 .. 4n-1
         at_b = row_b[:, :, None] * (4 * D) + D + d[None, None, :]  # kv_B of tokens 4n .. 4n+3
+        return at_a, at_b, has_a, has_a[:, None, None], q_ok[:, None, None], b, n, row_b
+
+    @triton.jit
+    def _pool4_window(x_ptr, ape_ptr, d, at_a, at_b, has_a, live_a, live_b, HEAD_DIM: tl.constexpr):
+        """The window's values: ``(kv_a, s_a, kv_b, s_b)`` ``[BLOCK_Q, 4, BLOCK_D]`` fp32, scores
+        biased, A scores -inf where there is no chunk n-1."""
+        D: tl.constexpr = HEAD_DIM
+        j = tl.arange(0, 4)
         ape_at = ape_ptr + j[:, None] * D + d[None, :]
         ape_a = tl.load(ape_at).to(tl.float32)
         ape_b = tl.load(ape_at + 4 * D).to(tl.float32)
@@ -157,7 +165,7 @@ if HAVE_TRITON:
         s_a = tl.where(has_a[:, None, None], s_a, float("-inf"))
         kv_b = tl.load(x_ptr + at_b, mask=live_b, other=0.0).to(tl.float32)
         s_b = tl.load(x_ptr + at_b + 2 * D, mask=live_b, other=0.0).to(tl.float32) + ape_b[None, :, :]
-        return kv_a, s_a, kv_b, s_b, at_a, at_b, live_a, live_b, b, n, row_b
+        return kv_a, s_a, kv_b, s_b
 
     @triton.jit
     def _pool4_fwd_kernel(x_ptr, ape_ptr, out_ptr, T, N, num_out,
@@ -165,8 +173,8 @@ if HAVE_TRITON:
         D: tl.constexpr = HEAD_DIM
         q_block, d = _program_tile(HEAD_DIM, BLOCK_D)
         q = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        kv_a, s_a, kv_b, s_b, at_a, at_b, live_a, live_b, b, n, row_b = _pool4_window(
-            x_ptr, ape_ptr, q, d, T, N, num_out, HEAD_DIM)
+        at_a, at_b, has_a, live_a, live_b, b, n, row_b = _pool4_rows(q, d, T, N, num_out, HEAD_DIM)
+        kv_a, s_a, kv_b, s_b = _pool4_window(x_ptr, ape_ptr, d, at_a, at_b, has_a, live_a, live_b, HEAD_DIM)
         m = tl.maximum(tl.max(s_a, axis=1), tl.max(s_b, axis=1))
         p_a = tl.exp(s_a - m[:, None, :])
         p_b = tl.exp(s_b - m[:, None, :])
@@ -181,8 +189,8 @@ if HAVE_TRITON:
         q_block, d = _program_tile(HEAD_DIM, BLOCK_D)
         q = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
         q_ok = q < num_out
-        kv_a, s_a, kv_b, s_b, at_a, at_b, live_a, live_b, b, n, row_b = _pool4_window(
-            x_ptr, ape_ptr, q, d, T, N, num_out, HEAD_DIM)
+        at_a, at_b, has_a, live_a, live_b, b, n, row_b = _pool4_rows(q, d, T, N, num_out, HEAD_DIM)
+        kv_a, s_a, kv_b, s_b = _pool4_window(x_ptr, ape_ptr, d, at_a, at_b, has_a, live_a, live_b, HEAD_DIM)
         m = tl.maximum(tl.max(s_a, axis=1), tl.max(s_b, axis=1))
         p_a = tl.exp(s_a - m[:, None, :])
         p_b = tl.exp(s_b - m[:, None, :])
