@@ -36,7 +36,6 @@ WRITES = {
     "_decode_step_c4_kernel": {"state_ptr", "plan_ptr", "out_ptr", "cache_ptr"},
     "_decode_step_c128_pool_kernel": {"state_ptr", "plan_ptr", "out_ptr"},
     "_plan_online_decode_kernel": {"plan_ptr"},
-    "_plan_online_prefill_kernel": {"plan_c_ptr", "plan_w_ptr"},
     "_online_decode_kernel": {"state_ptr", "out_ptr"},
     "_online_prefill_kernel": {"out_ptr"},  # close segments; the write launch (IS_WRITE) stores the state
     "_online_prefill_kernel/IS_WRITE": {"state_ptr"},

@@ -86,20 +86,23 @@ def test_variant_planner_kernels(ratio, addressing):
              dict(meta, BLOCK=pk.DECODE_BLOCK))
     for index, table in (("*i64", "*i32"), ("*i32", "*i64")):  # int64 or int32 lengths / ids / tables
         rows = dict(lookup, plan_c_ptr="*i32", plan_w_ptr="*i32", num_q_tokens="i32", bs="i32", rpi_ptr=index,
-                    seq_ptr=index, ext_ptr=index, spec_pad="i32", r2t_ptr=table, f2s_ptr=index)
-        _compile(pk._plan_prefill_kernel, rows, dict(meta, ROWS=pk.ROWS, CHUNK=pk.CHUNK))
+                    seq_ptr=index, ext_ptr=index, spec_pad="i32", offset="i32", r2t_ptr=table, f2s_ptr=index)
+        _compile(pk._plan_prefill_kernel, rows, dict(meta, ONLINE=False, ROWS=pk.ROWS, CHUNK=pk.CHUNK))
 
 
 @pytest.mark.parametrize("head_dim", [512, 64])
 def test_variant_online_kernels(head_dim):
     from dsv4ops.online import kernels as ok
-    from dsv4ops.planner.kernels import CHUNK, DECODE_BLOCK, ROWS
+    from dsv4ops.planner import kernels as pk
 
     _compile(ok._plan_online_decode_kernel, dict(rpi_ptr="*i64", seq_ptr="*i64", plan_ptr="*i32", bs="i32", offset="i32"),
-             dict(BLOCK=DECODE_BLOCK))
-    _compile(ok._plan_online_prefill_kernel, dict(plan_c_ptr="*i32", plan_w_ptr="*i32", num_q_tokens="i32", bs="i32",
-                                                  rpi_ptr="*i64", seq_ptr="*i64", ext_ptr="*i64", offset="i32"),
-             dict(ROWS=ROWS, CHUNK=CHUNK))
+             dict(BLOCK=pk.DECODE_BLOCK))
+    # the online launch: placeholder lookup tables (never read), as plan_online_prefill passes them
+    _compile(pk._plan_prefill_kernel, dict(plan_c_ptr="*i32", plan_w_ptr="*i32", num_q_tokens="i32", bs="i32",
+                                           rpi_ptr="*i64", seq_ptr="*i64", ext_ptr="*i64", spec_pad="i32",
+                                           offset="i32", r2t_ptr="*i32", r2t_stride="i32", num_reqs="i32",
+                                           max_len="i32", f2s_ptr="*i64", num_full="i32", sps="i32", ring="i32"),
+             dict(RATIO=128, ADDRESSING=0, HAS_TABLE=False, ONLINE=True, ROWS=pk.ROWS, CHUNK=pk.CHUNK))
     ptrs = dict(state_ptr="*fp32", input_ptr="*fp32", ape_ptr="*fp32", plan_ptr="*i32", out_ptr="*fp32")
     block_d = min(128, head_dim)
     _compile(ok._online_decode_kernel, dict(ptrs, num_slots="i32"), dict(HEAD_DIM=head_dim, BLOCK_D=block_d))

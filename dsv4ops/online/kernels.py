@@ -1,9 +1,9 @@
 """Triton kernels of the online ratio-128 compressor.
 
-* planners: decode is elementwise; prefill is one launch built on the offline planner's
-  ``walk_chunk`` and ``row_fields`` (per ragged row: its request and the segments of the requests before
-  it). A segment ends at a chunk end (close, closed-form plan_c row) or at the
-  request's last token (write, at most one per request), so both destinations are
+* planners: decode is elementwise; prefill is one launch of the offline planner's kernel
+  (``planner.kernels._plan_prefill_kernel`` with ``ONLINE``: per ragged row, its request and the
+  segments of the requests before it). A segment ends at a chunk end (close, closed-form plan_c
+  row) or at the request's last token (write, at most one per request), so both destinations are
   closed form too.
 * decode: one program per (request, channel block) merges the token into the state.
 * prefill: one program per (segment, channel block) pools up to 128 tokens with a
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .._triton import HAVE_TRITON, cdiv, launch, next_pow2
-from ..planner.kernels import CHUNK, DECODE_BLOCK, ROWS
+from ..planner.kernels import CHUNK, DECODE_BLOCK, ROWS, _lookup_args
 
 RATIO = 128
 
@@ -25,7 +25,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .._triton_formats import cast_rne
-    from ..planner.kernels import _words4, row_fields, walk_chunk
+    from ..planner.kernels import _plan_prefill_kernel, _words4
 
     @triton.jit
     def _plan_online_decode_kernel(rpi_ptr, seq_ptr, plan_ptr, bs, offset, BLOCK: tl.constexpr):
@@ -37,57 +37,6 @@ if HAVE_TRITON:
         slot = tl.where(live, rid.to(tl.int32) + offset, -1)
         words = _words4(tl.where(live, seq.to(tl.int32), 0), slot, slot, tl.full([BLOCK], -1, tl.int32))
         tl.store(plan_ptr + b[:, None] * 4 + tl.arange(0, 4)[None, :], words, mask=in_batch[:, None])
-
-    @triton.jit
-    def _plan_online_prefill_kernel(plan_c_ptr, plan_w_ptr, num_q_tokens, bs, rpi_ptr, seq_ptr, ext_ptr, offset,
-                                    ROWS: tl.constexpr, CHUNK: tl.constexpr):
-        """Segments in closed form: close segment of position p (a chunk end) -> plan_c row
-        ``closes before the request + (p + 1) // 128 - prefix // 128 - 1``; the request's trailing write
-        segment (its last position, not a chunk end) -> plan_w row ``write segments before the request``."""
-        i0 = tl.program_id(0) * ROWS
-        i = i0 + tl.arange(0, ROWS)
-        lane = tl.arange(0, CHUNK)
-        b = tl.zeros([ROWS], tl.int32)  # per row: requests that end at or before it
-        begin = tl.zeros([ROWS], tl.int32)  # their rows, close and write segments
-        close_base = tl.zeros([ROWS], tl.int32)
-        write_base = tl.zeros([ROWS], tl.int32)
-        done = tl.sum(b, 0)
-        total_close = tl.sum(b, 0)
-        total_write = tl.sum(b, 0)
-        seq_next = tl.load(seq_ptr + lane, mask=lane < bs, other=0)
-        ext_next = tl.load(ext_ptr + lane, mask=lane < bs, other=0)
-        rid_next = tl.load(rpi_ptr + lane, mask=lane < bs, other=0)
-        c0 = 0
-        while c0 < bs:  # the walk of planner.kernels._plan_prefill_kernel, loads in the body (see walk_chunk)
-            seq64 = seq_next
-            ext64 = ext_next
-            rid_ok = rid_next >= 0
-            nxt = c0 + CHUNK + lane
-            seq_next = tl.load(seq_ptr + nxt, mask=nxt < bs, other=0)
-            ext_next = tl.load(ext_ptr + nxt, mask=nxt < bs, other=0)
-            rid_next = tl.load(rpi_ptr + nxt, mask=nxt < bs, other=0)
-            b, begin, close_base, write_base, done, total_close, total_write = walk_chunk(
-                i, i0, c0, bs, seq64, ext64, rid_ok, b, begin, close_base, write_base, done, total_close, total_write,
-                num_q_tokens, 0, 1, 128, 0, True, ROWS, CHUNK)
-            c0 += CHUNK
-        in_rows = i < num_q_tokens
-        live = in_rows & (b < bs)
-        ok, j, pos, prefix, seq, rid = row_fields(
-            i, live, begin, tl.load(seq_ptr + b, mask=live, other=0), tl.load(ext_ptr + b, mask=live, other=0),
-            tl.load(rpi_ptr + b, mask=live, other=0), True)
-        start = tl.maximum(pos - pos % 128, prefix)  # first position of the segment
-        ends_chunk = (pos + 1) % 128 == 0
-        is_close = ok & ends_chunk
-        is_write = ok & (pos == seq - 1) & ~ends_chunk
-        slot = rid + offset
-        words = _words4(pos + 1, i | ((pos + 1 - start) << 16), slot, tl.where(start % 128 != 0, slot, -1))
-        col4 = tl.arange(0, 4)[None, :]
-        close_dst = close_base + (pos + 1) // 128 - prefix // 128 - 1
-        tl.store(plan_c_ptr + close_dst[:, None] * 4 + col4, words, mask=is_close[:, None])
-        tl.store(plan_w_ptr + write_base[:, None] * 4 + col4, words, mask=is_write[:, None])
-        sentinel = tl.broadcast_to(tl.where(col4 == 1, 0, -1), (ROWS, 4))
-        tl.store(plan_c_ptr + i[:, None] * 4 + col4, sentinel, mask=(in_rows & (i >= total_close))[:, None])
-        tl.store(plan_w_ptr + i[:, None] * 4 + col4, sentinel, mask=(in_rows & (i >= total_write))[:, None])
 
     @triton.jit
     def _merge(m1, s1, k1, m2, s2, k2):
@@ -198,9 +147,10 @@ def plan_online_prefill(req_pool_indices, seq_lens, extend_lens, num_q_tokens, s
     device = req_pool_indices.device
     plan_c = torch.empty((num_q_tokens, 4), dtype=torch.int32, device=device)
     plan_w = torch.empty((num_q_tokens, 4), dtype=torch.int32, device=device)
-    launch(_plan_online_prefill_kernel)[(cdiv(num_q_tokens, ROWS),)](
-        plan_c, plan_w, num_q_tokens, req_pool_indices.shape[0], req_pool_indices, seq_lens, extend_lens,
-        state_slot_offset, ROWS=ROWS, CHUNK=CHUNK, num_warps=4)
+    tensors, meta = _lookup_args(None, None, RATIO, 1, 1, 0, device)  # never read online
+    launch(_plan_prefill_kernel)[(cdiv(num_q_tokens, ROWS),)](
+        plan_c, plan_w, num_q_tokens, req_pool_indices.shape[0], req_pool_indices, seq_lens, extend_lens, 0,
+        state_slot_offset, *tensors, **meta, ONLINE=True, ROWS=ROWS, CHUNK=CHUNK, num_warps=4)
     return plan_c.view(torch.uint8), plan_w.view(torch.uint8)
 
 

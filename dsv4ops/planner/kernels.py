@@ -24,6 +24,10 @@ padding rows of its own range (``[total_events, num_q_tokens)`` of plan_c,
 position-ascending), exactly as the reference orders them. No host sync: the grid is
 ``cdiv(num_q_tokens, ROWS)`` and the batch size is a kernel argument.
 
+With ``ONLINE`` the same kernel plans the online ratio-128 compressor (``online.kernels``): the
+walk is the same (requests with a negative id count as invalid), the tail emits close segments
+(the chunk ends) to plan_c and each request's trailing write segment to plan_w row ``W_b``.
+
 Positions, request ids, slots and SWA slots are handled in int32 (they must be
 below 2**31); ``req_to_token`` offsets are int64.
 """
@@ -189,65 +193,90 @@ if HAVE_TRITON:
 
     @triton.jit
     def _plan_prefill_kernel(
-        plan_c_ptr, plan_w_ptr, num_q_tokens, bs, rpi_ptr, seq_ptr, ext_ptr, spec_pad,
+        plan_c_ptr, plan_w_ptr, num_q_tokens, bs, rpi_ptr, seq_ptr, ext_ptr, spec_pad, offset,
         r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring,
-        RATIO: tl.constexpr, ADDRESSING: tl.constexpr, HAS_TABLE: tl.constexpr,
+        RATIO: tl.constexpr, ADDRESSING: tl.constexpr, HAS_TABLE: tl.constexpr, ONLINE: tl.constexpr,
         ROWS: tl.constexpr, CHUNK: tl.constexpr,
     ):
+        """Offline plan, or (``ONLINE``: ratio 128, state slot ``request id + offset``) the online one."""
         W: tl.constexpr = 8 if RATIO == 4 else RATIO
         i0 = tl.program_id(0) * ROWS
         i = i0 + tl.arange(0, ROWS)
         lane = tl.arange(0, CHUNK)
         b = tl.zeros([ROWS], tl.int32)  # per row: requests that end at or before it
         begin = tl.zeros([ROWS], tl.int32)  # their rows: the ragged start of the row's request
-        ev_base = tl.zeros([ROWS], tl.int32)  # their events and writes
+        ev_base = tl.zeros([ROWS], tl.int32)  # their events and writes (online: close and write segments)
         wr_base = tl.zeros([ROWS], tl.int32)
         done = tl.sum(b, 0)
         total_events = tl.sum(b, 0)
         total_writes = tl.sum(b, 0)
         seq_next = tl.load(seq_ptr + lane, mask=lane < bs, other=0)
         ext_next = tl.load(ext_ptr + lane, mask=lane < bs, other=0)
+        if ONLINE:
+            rid_next = tl.load(rpi_ptr + lane, mask=lane < bs, other=0)
         c0 = 0
         while c0 < bs:
             seq64 = seq_next
             ext64 = ext_next
+            if ONLINE:
+                rid_ok = rid_next >= 0
+            else:
+                rid_ok = lane >= 0
             nxt = c0 + CHUNK + lane
             seq_next = tl.load(seq_ptr + nxt, mask=nxt < bs, other=0)  # in flight while this chunk is walked
             ext_next = tl.load(ext_ptr + nxt, mask=nxt < bs, other=0)
+            if ONLINE:
+                rid_next = tl.load(rpi_ptr + nxt, mask=nxt < bs, other=0)
             b, begin, ev_base, wr_base, done, total_events, total_writes = walk_chunk(
-                i, i0, c0, bs, seq64, ext64, lane >= 0, b, begin, ev_base, wr_base, done, total_events, total_writes,
-                num_q_tokens, spec_pad, sps, RATIO, ADDRESSING, False, ROWS, CHUNK)
+                i, i0, c0, bs, seq64, ext64, rid_ok, b, begin, ev_base, wr_base, done, total_events, total_writes,
+                num_q_tokens, spec_pad, sps, RATIO, ADDRESSING, ONLINE, ROWS, CHUNK)
             c0 += CHUNK
         in_rows = i < num_q_tokens
         live = in_rows & (b < bs)
         ok, j, pos, prefix, seq, rid = row_fields(
             i, live, begin, tl.load(seq_ptr + b, mask=live, other=0), tl.load(ext_ptr + b, mask=live, other=0),
-            tl.load(rpi_ptr + b, mask=live, other=0), False)
-        lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING, HAS_TABLE)
-
-        is_event = ok & ((pos + 1) % RATIO == 0)
-        first = _first_write(seq, spec_pad, RATIO, ADDRESSING)
-        keep = pos >= first
-        if RATIO == 4 and ADDRESSING == 0:
-            keep = keep | (pos % sps >= sps - 4)  # last chunk of every SWA page
-        is_write = ok & keep
-        row = _state_row(rid, pos, is_event | is_write, *lookup)
-        page0 = _page(_state_row(rid, tl.maximum(pos - RATIO, 0), is_event, *lookup), RATIO)
-
+            tl.load(rpi_ptr + b, mask=live, other=0), ONLINE)
         col4 = tl.arange(0, 4)[None, :]
-        ev_dst = ev_base + (pos + 1) // RATIO - prefix // RATIO - 1
-        c_words = _words4(pos + 1, i | ((W - tl.minimum(j + 1, W)) << 16), page0, _page(row, RATIO))
-        tl.store(plan_c_ptr + ev_dst[:, None] * 4 + col4, c_words, mask=is_event[:, None])
-        col2 = tl.arange(0, 2)[None, :]
-        wr_dst = wr_base + _writes_before(pos, prefix, first, sps, RATIO, ADDRESSING)
-        tl.store(plan_w_ptr + wr_dst[:, None] * 2 + col2, tl.join(i, row), mask=is_write[:, None])
+        if ONLINE:
+            # close segment of position p (a chunk end) -> plan_c row ev_base + (p + 1) // 128 - prefix // 128 - 1;
+            # the request's trailing write segment (its last position, not a chunk end) -> plan_w row wr_base
+            start = tl.maximum(pos - pos % 128, prefix)  # first position of the segment
+            ends_chunk = (pos + 1) % 128 == 0
+            is_close = ok & ends_chunk
+            is_write = ok & (pos == seq - 1) & ~ends_chunk
+            slot = rid + offset
+            words = _words4(pos + 1, i | ((pos + 1 - start) << 16), slot, tl.where(start % 128 != 0, slot, -1))
+            close_dst = ev_base + (pos + 1) // 128 - prefix // 128 - 1
+            tl.store(plan_c_ptr + close_dst[:, None] * 4 + col4, words, mask=is_close[:, None])
+            tl.store(plan_w_ptr + wr_base[:, None] * 4 + col4, words, mask=is_write[:, None])
+            sentinel = tl.broadcast_to(tl.where(col4 == 1, 0, -1), (ROWS, 4))
+            tl.store(plan_c_ptr + i[:, None] * 4 + col4, sentinel, mask=(in_rows & (i >= total_events))[:, None])
+            tl.store(plan_w_ptr + i[:, None] * 4 + col4, sentinel, mask=(in_rows & (i >= total_writes))[:, None])
+        else:
+            lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING,
+                      HAS_TABLE)
+            is_event = ok & ((pos + 1) % RATIO == 0)
+            first = _first_write(seq, spec_pad, RATIO, ADDRESSING)
+            keep = pos >= first
+            if RATIO == 4 and ADDRESSING == 0:
+                keep = keep | (pos % sps >= sps - 4)  # last chunk of every SWA page
+            is_write = ok & keep
+            row = _state_row(rid, pos, is_event | is_write, *lookup)
+            page0 = _page(_state_row(rid, tl.maximum(pos - RATIO, 0), is_event, *lookup), RATIO)
 
-        # padding: output rows of this block's range past the valid ones
-        pad_c = in_rows & (i >= total_events)
-        tl.store(plan_c_ptr + i[:, None] * 4 + col4, tl.broadcast_to(tl.where(col4 == 1, 0, -1), (ROWS, 4)),
-                 mask=pad_c[:, None])
-        pad_w = in_rows & (i >= total_writes)
-        tl.store(plan_w_ptr + i[:, None] * 2 + col2, tl.full([ROWS, 2], -1, tl.int32), mask=pad_w[:, None])
+            ev_dst = ev_base + (pos + 1) // RATIO - prefix // RATIO - 1
+            c_words = _words4(pos + 1, i | ((W - tl.minimum(j + 1, W)) << 16), page0, _page(row, RATIO))
+            tl.store(plan_c_ptr + ev_dst[:, None] * 4 + col4, c_words, mask=is_event[:, None])
+            col2 = tl.arange(0, 2)[None, :]
+            wr_dst = wr_base + _writes_before(pos, prefix, first, sps, RATIO, ADDRESSING)
+            tl.store(plan_w_ptr + wr_dst[:, None] * 2 + col2, tl.join(i, row), mask=is_write[:, None])
+
+            # padding: output rows of this block's range past the valid ones
+            pad_c = in_rows & (i >= total_events)
+            tl.store(plan_c_ptr + i[:, None] * 4 + col4, tl.broadcast_to(tl.where(col4 == 1, 0, -1), (ROWS, 4)),
+                     mask=pad_c[:, None])
+            pad_w = in_rows & (i >= total_writes)
+            tl.store(plan_w_ptr + i[:, None] * 2 + col2, tl.full([ROWS, 2], -1, tl.int32), mask=pad_w[:, None])
 
 
 def _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing, device):
@@ -283,6 +312,6 @@ def plan_prefill(req_pool_indices, req_to_token, full_to_state, seq_lens, extend
     spec_pad = min(ring_size - compress_ratio, 4)  # speculative rollback tail (paged addressing only)
     launch(_plan_prefill_kernel)[(cdiv(num_q_tokens, ROWS),)](
         plan_c, plan_w, num_q_tokens, req_pool_indices.shape[0], req_pool_indices, seq_lens, extend_lens, spec_pad,
-        *tensors, **meta, ROWS=ROWS, CHUNK=CHUNK, num_warps=4,
+        0, *tensors, **meta, ONLINE=False, ROWS=ROWS, CHUNK=CHUNK, num_warps=4,
     )
     return plan_c.view(torch.uint8), plan_w.view(torch.uint8)
