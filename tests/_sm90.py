@@ -58,10 +58,14 @@ def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, max_stac
 
 
 def _tool(name: str) -> str | None:
-    import triton
+    """The ptxas / cuobjdump Triton itself uses (``TRITON_PTXAS_PATH`` etc., else the bundled one):
+    the PTX version Triton emits follows that ptxas, so another one may reject it."""
+    from triton import knobs
 
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    return path if os.path.exists(path) else None
+    try:
+        return getattr(knobs.nvidia, name).path
+    except RuntimeError:
+        return None
 
 
 def _run_on(data, suffix: str, *command) -> str:

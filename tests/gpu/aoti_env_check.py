@@ -1,6 +1,6 @@
 """Does a trivial AOTInductor package load on this machine? (no dsv4ops involved)
 
-    python tests/gpu/aoti_env_check.py [out dir]
+    python tests/gpu/aoti_env_check.py [out dir] [devices, e.g. cuda or cpu,cuda]
 
 Builds a two-op package for CPU and, when a GPU is present, for CUDA; prints the C++ compiler
 Inductor uses, the libstdc++ it links against and the one the Python process has loaded, the
@@ -39,7 +39,7 @@ def sh(cmd):
     return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
 
 
-def main(out_dir):
+def main(out_dir, wanted=None):
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     cxx = get_cpp_compiler()
@@ -49,6 +49,7 @@ def main(out_dir):
     maps = open("/proc/self/maps").read().split()
     print("this process's libstdc++:", sorted({os.path.realpath(p) for p in maps if "libstdc++" in p}))
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = [d for d in devices if wanted is None or d in wanted]
     for dev in devices:
         x = torch.arange(6.0, device=dev).view(2, 3)
         ep = torch.export.export(Tiny(), (x,))
@@ -69,4 +70,4 @@ def main(out_dir):
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
     os.makedirs(out, exist_ok=True)
-    main(out)
+    main(out, sys.argv[2].split(",") if len(sys.argv) > 2 else None)
