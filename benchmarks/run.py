@@ -1,6 +1,7 @@
 """H200 benchmarks of every dsv4ops op: Triton kernel vs PyTorch reference (eager and torch.compile).
 
     python -m benchmarks.run [--quick] [--only prefill|decode|step|train|sweep] [--out docs]
+    python -m benchmarks.run --replot CSV --out DIR      # the plot again from a saved CSV (no GPU)
 
 For every row: median time (``triton.testing.do_bench``, which flushes L2 between runs;
 ``do_bench_cudagraph`` for decode), the bytes the op must move (each input read once,
@@ -419,7 +420,25 @@ def plot(out_dir):
     fig.savefig(os.path.join(out_dir, "bandwidth.png"), dpi=110)
 
 
+def replot(csv_path: str, out_dir: str, device_name: str) -> None:
+    """``bandwidth.png`` from a CSV this script wrote (e.g. one fetched back from a GPU machine)."""
+    global COPY_BW, _DEVICE_NAME
+    with open(csv_path) as f:
+        for r in csv.DictReader(f):
+            ROWS.append(Row(r["op"], r["config"], r["shape"], int(r["tokens_or_bs"]), float(r["time_us"]),
+                            int(r["bytes"])))
+            if int(r["bytes"]) and float(r["pct_copy_bw"]) > 0:
+                COPY_BW = float(r["GBps"]) * 100 / float(r["pct_copy_bw"])
+    _DEVICE_NAME = device_name
+    plot(out_dir)
+
+
+_DEVICE_NAME = None
+
+
 def _device_name() -> str:
+    if _DEVICE_NAME:
+        return _DEVICE_NAME
     return torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)"
 
 
@@ -442,7 +461,12 @@ def main(argv=None):
     parser.add_argument("--only", nargs="*", choices=["prefill", "decode", "step", "train", "sweep"], default=None)
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on the CPU (run with TRITON_INTERPRET=1): checks the script, times nothing")
+    parser.add_argument("--replot", metavar="CSV", help="only draw <out>/bandwidth.png from a saved CSV")
+    parser.add_argument("--device-name", default="NVIDIA H200", help="plot title with --replot")
     args = parser.parse_args(argv)
+    if args.replot:
+        os.makedirs(args.out, exist_ok=True)
+        return replot(args.replot, args.out, args.device_name)
     if args.dry_run:
         _configure_dry_run()
     OUT_DIR = args.out
