@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Full GPU acceptance run (issue: Triton kernels). Needs a CUDA GPU; runs from any directory.
+# GPU acceptance run (issue: Triton kernels). Needs a CUDA GPU; runs from any directory.
 #   tests/gpu/run_all.sh [output dir]
-# 1. the whole test suite on CUDA (every op and kernel on the GPU against the reference and the
-#    golden loops; the CPU tests too; AOTInductor packages on CUDA in a fresh process,
-#    tests/test_deploy.py), in parallel when pytest-xdist is there
-# 2. GPU-only acceptance: opcheck on CUDA, CUDA graphs (reduce-overhead) over 300 decode steps,
-#    buffers written in place under torch.compile
-# 3. compute-sanitizer memcheck over the GPU kernel tests (every kernel variant)
-# Writes suite.log, gpu.log, memcheck.log and summary.txt to the output dir.
-# STAGES="suite gpu memcheck" (the default) picks stages, e.g. to split the run over calls
-# that each have a time limit.
+# Stages (STAGES picks them and their order; default "gpu suite deploy memcheck"):
+#   gpu       GPU-only acceptance: opcheck on CUDA, CUDA graphs (reduce-overhead) over 300 decode
+#             steps, buffers written in place under torch.compile (tests/gpu)
+#   suite     the whole test suite on CUDA except the AOTInductor deployment tests (every op and
+#             kernel on the GPU against the reference and the golden loops; the CPU tests too), in
+#             parallel when pytest-xdist is there
+#   deploy    AOTInductor packages on CUDA in a fresh process (tests/gpu/aoti_diag.sh, which keeps
+#             the packages and takes a native backtrace of a crash)
+#   memcheck  compute-sanitizer memcheck over the GPU kernel tests (every kernel variant)
+#   bench     the whole-decode-step benchmark under one CUDA graph
+# <STAGE>_LIMIT=<seconds> (e.g. SUITE_LIMIT=300) stops a stage with SIGINT after that long, so
+# pytest still names every failure so far; tests/gpu/short_run.sh sets limits that fit one
+# 10-minute device call. Writes <stage>.log and summary.txt to the output dir.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:-gpu-results}"
@@ -18,38 +22,45 @@ export PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
 status=0
 summary() { echo "$*" | tee -a "$out/summary.txt"; }
+# limited STAGE cmd...: run cmd under the stage's time limit, if it has one
+limited() {
+  local var="${1^^}_LIMIT"; shift
+  if [ -n "${!var:-}" ]; then timeout -s INT "${!var}" "$@"; else "$@"; fi
+}
+pytest_result() { grep -E '[0-9]+ (passed|failed)' "$1" | tail -1; }
 : > "$out/summary.txt"
 summary "$(nvidia-smi -L | head -1) | $("$py" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
 
-stages=" ${STAGES:-suite gpu memcheck} "
-
-if [[ "$stages" == *" suite "* ]]; then
-  workers=""
-  "$py" -c "import xdist" 2>/dev/null && workers="-n 8"
+for stage in ${STAGES:-gpu suite deploy memcheck}; do
   start=$(date +%s)
-  "$py" -m pytest -q tests --ignore=tests/gpu -p no:cacheprovider $workers 2>&1 | tee "$out/suite.log" | tail -4
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  summary "suite: $(grep -E '[0-9]+ (passed|failed)' "$out/suite.log" | tail -1) ($(( $(date +%s) - start )) s)"
-fi
-
-if [[ "$stages" == *" gpu "* ]]; then
-  start=$(date +%s)
-  "$py" -m pytest -q tests/gpu -p no:cacheprovider -rA -s 2>&1 | tee "$out/gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|peak growth" | tail -30
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  summary "gpu acceptance: $(grep -E '[0-9]+ (passed|failed)' "$out/gpu.log" | tail -1) ($(( $(date +%s) - start )) s)"
-fi
-
-if [[ "$stages" == *" memcheck "* ]]; then
-  if command -v compute-sanitizer >/dev/null; then
-    start=$(date +%s)
-    compute-sanitizer --tool memcheck --error-exitcode 1 --log-file "$out/memcheck.log" \
-      "$py" -m pytest -q tests/test_kernels.py tests/test_decode_step.py tests/test_online.py tests/test_train.py \
-      -k "kernels and not compile and not variant" -p no:cacheprovider 2>&1 | tail -3
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-    summary "memcheck: $(grep -h 'ERROR SUMMARY' "$out/memcheck.log" | tail -1) ($(( $(date +%s) - start )) s)"
-  else
-    summary "compute-sanitizer not found"; status=1
-  fi
-fi
+  case "$stage" in
+    gpu)
+      limited gpu "$py" -m pytest -q tests/gpu -p no:cacheprovider -rA -s > "$out/gpu.log" 2>&1 || status=1
+      result="$(pytest_result "$out/gpu.log")" ;;
+    suite)
+      workers=""
+      "$py" -c "import xdist" 2>/dev/null && workers="-n ${WORKERS:-14}"
+      limited suite "$py" -m pytest -q tests --ignore=tests/gpu --ignore=tests/test_deploy.py -p no:cacheprovider \
+        -rfE --durations=20 $workers > "$out/suite.log" 2>&1 || status=1
+      result="$(pytest_result "$out/suite.log")" ;;
+    deploy)
+      limited deploy bash tests/gpu/aoti_diag.sh "$out/aoti" > "$out/deploy.log" 2>&1 || status=1
+      result="$(grep -h -E '[0-9]+ (passed|failed)' "$out/aoti/deploy.log" 2>/dev/null | tr '\n' ';')" ;;
+    memcheck)
+      if ! command -v compute-sanitizer >/dev/null; then
+        summary "memcheck: compute-sanitizer not found"; status=1; continue
+      fi
+      limited memcheck compute-sanitizer --tool memcheck --error-exitcode 1 --log-file "$out/memcheck.log" \
+        "$py" -m pytest -q tests/test_kernels.py tests/test_decode_step.py tests/test_online.py tests/test_train.py \
+        -k "kernels and not compile and not variant" -p no:cacheprovider > "$out/memcheck-pytest.log" 2>&1 || status=1
+      result="$(grep -h 'ERROR SUMMARY' "$out/memcheck.log" | tail -1); $(pytest_result "$out/memcheck-pytest.log")" ;;
+    bench)
+      limited bench "$py" -m benchmarks.run --quick --only step --out "$out/bench" > "$out/bench.log" 2>&1 || status=1
+      result="$(grep -c 'whole decode step' "$out/bench.log") rows" ;;
+    *)
+      summary "unknown stage $stage"; status=1; continue ;;
+  esac
+  summary "$stage: $result ($(( $(date +%s) - start )) s)"
+done
 summary "run_all status: $status"
 exit $status
