@@ -339,9 +339,21 @@ SUM_BLOCK = 1024
 NORM_BWD_PROGRAMS = 512
 
 
-def _sum_partials(ws: torch.Tensor, out: torch.Tensor) -> None:
+def _workspace(partials, *shape, device) -> torch.Tensor:
+    """fp32 workspace for ``partials`` per-program partial sums of ``shape``.
+
+    Under torch.compile ``partials`` is a size expression (e.g. ``cdiv(B * T // r, BLOCK_Q)``).
+    A leading dimension that may equal 1 makes the tracer guard on ``partials == 1`` (a size-1
+    dimension's stride does not count for contiguity), and a later token count on the other side
+    of that guard recompiles. At least two rows keep the question statically answered; only the
+    first ``partials`` rows are written and summed."""
+    return torch.empty((torch.sym_max(partials, 2), *shape), dtype=torch.float32, device=device)
+
+
+def _sum_partials(ws: torch.Tensor, partials, out: torch.Tensor) -> None:
+    """``out = ws[:partials].sum(0)`` in partial order (deterministic)."""
     size = out.numel()
-    launch(_sum_partials_kernel)[(cdiv(size, SUM_BLOCK),)](ws, out, ws.shape[0], size, BLOCK=SUM_BLOCK, num_warps=4)
+    launch(_sum_partials_kernel)[(cdiv(size, SUM_BLOCK),)](ws, out, partials, size, BLOCK=SUM_BLOCK, num_warps=4)
 
 
 def _channels(tile: int, head_dim: int) -> int:
@@ -390,14 +402,15 @@ def compress_train_backward(grad_out, kv_score, ape, head_dim: int, compress_rat
     q, rows, channels, warps = POOL_BWD_TILE[compress_ratio]
     channels = _channels(channels, head_dim)
     grid = (cdiv(num_out, q) * (head_dim // channels),)
-    ws = torch.empty((cdiv(num_out, q), ape.shape[0], head_dim), dtype=torch.float32, device=kv_score.device)
+    partials = cdiv(num_out, q)
+    ws = _workspace(partials, ape.shape[0], head_dim, device=kv_score.device)
     if compress_ratio == 4:
         launch(_pool4_bwd_kernel)[grid](kv_score, ape, grad_out, grad_kv, ws, T, N, num_out, HEAD_DIM=head_dim,
                                         BLOCK_Q=q, BLOCK_D=channels, num_warps=warps)
     else:
         launch(_pool128_bwd_kernel)[grid](kv_score, ape, grad_out, grad_kv, ws, T, N, num_out, HEAD_DIM=head_dim,
                                           BLOCK_Q=q, BLOCK_W=rows, BLOCK_D=channels, num_warps=warps)
-    _sum_partials(ws, grad_ape)
+    _sum_partials(ws, partials, grad_ape)
     return grad_kv, grad_ape
 
 
@@ -432,11 +445,11 @@ def norm_rope_backward(grad_y, x, weight, eps: float, freqs, positions, grad_x=N
     blocks = cdiv(n, block_m)
     per_program = cdiv(blocks, NORM_BWD_PROGRAMS)
     programs = cdiv(blocks, per_program)
-    ws = torch.empty((programs, head_dim), dtype=torch.float32, device=x.device)
+    ws = _workspace(programs, head_dim, device=x.device)
     launch(_norm_rope_bwd_kernel)[(programs,)](
         x, weight, freqs, positions, grad_y, grad_x, ws, n, freqs.shape[0], eps, per_program,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
     )
-    _sum_partials(ws, grad_w)
+    _sum_partials(ws, programs, grad_w)
     return grad_x, grad_w
 
