@@ -99,6 +99,20 @@ def bench(fn, cudagraph=False, rep=150):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
 
 
+def bench_ref(fn, cudagraph=False, rep=150):
+    """``bench`` for a reference: a failure (e.g. an Inductor error compiling it) prints one line and
+    gives NaN, so one broken comparison does not end the run; the dry run still raises."""
+    try:
+        return bench(fn, cudagraph=cudagraph, rep=rep)
+    except Exception as e:  # noqa: BLE001 -- reported, then the row goes on without this comparison
+        if DRY_RUN:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"  reference failed: {type(e).__name__}: {first[:200]}", flush=True)
+        torch._dynamo.reset()
+        return float("nan")
+
+
 _compiled = {}
 torch._inductor.config.compile_threads = max(1, os.cpu_count() or 1)
 torch._dynamo.config.cache_size_limit = 64
@@ -205,8 +219,8 @@ def run_prefill(quick):
                               compress_prefill_bytes(s))
                     # the reference gathers every window of every (padded) plan row: [rows, W, width] fp32
                     if s["plan_c"].shape[0] * window_len(r) * state_row_width(D, r) * 4 <= REF_GATHER_LIMIT:
-                        row.ref_eager_us = bench(ref)
-                        row.ref_compiled_us = bench(lambda: ref(compiled(compress_prefill_reference)))
+                        row.ref_eager_us = bench_ref(ref)
+                        row.ref_compiled_us = bench_ref(lambda: ref(compiled(compress_prefill_reference)))
                     record(row)
 
                     kv, cache, fmt, freqs, w = store_setup(s, s["plan_c"].shape[0])
@@ -214,8 +228,8 @@ def run_prefill(quick):
                     args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
                     row = Row("norm_rope_store prefill", config, shape, tokens, bench(lambda: sk.norm_rope_store(*args)),
                               store_bytes(n_live, kv.shape[0], D, fmt))
-                    row.ref_eager_us = bench(lambda: norm_rope_store_reference(*args))
-                    row.ref_compiled_us = bench(lambda: compiled(norm_rope_store_reference)(*args))
+                    row.ref_eager_us = bench_ref(lambda: norm_rope_store_reference(*args))
+                    row.ref_compiled_us = bench_ref(lambda: compiled(norm_rope_store_reference)(*args))
                     record(row)
                     if config != "c4-indexer":
                         pargs = (s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"], s["ext"],
@@ -224,8 +238,8 @@ def run_prefill(quick):
                         # lengths and ids in, the state-row lookups of every event / write, both plans out
                         nbytes = requests * 24 + (2 * n_c + n_w) * 12 + tokens * 24
                         row = Row("plan_prefill", config, shape, tokens, bench(lambda: pk.plan_prefill(*pargs)), nbytes)
-                        row.ref_eager_us = bench(lambda: plan_prefill_reference(*pargs))
-                        row.ref_compiled_us = bench(lambda: compiled(plan_prefill_reference)(*pargs))
+                        row.ref_eager_us = bench_ref(lambda: plan_prefill_reference(*pargs))
+                        row.ref_compiled_us = bench_ref(lambda: compiled(plan_prefill_reference)(*pargs))
                         record(row)
                     del s, out, kv, cache
                     torch.cuda.empty_cache()
@@ -292,8 +306,8 @@ def run_decode(quick):
                       bench(lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r),
                             cudagraph=True),
                       compress_decode_bytes(s, bs))
-            row.ref_eager_us = bench(ref)
-            row.ref_compiled_us = bench(lambda: ref(compiled(compress_decode_reference)), cudagraph=True)
+            row.ref_eager_us = bench_ref(ref)
+            row.ref_compiled_us = bench_ref(lambda: ref(compiled(compress_decode_reference)), cudagraph=True)
             record(row)
 
             args = (torch.randn(bs, D, device=DEV), s["plan"], s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"],
@@ -301,16 +315,16 @@ def run_decode(quick):
             row = Row("norm_rope_store decode", config, shape, bs,
                       bench(lambda: sk.norm_rope_store(*args), cudagraph=True),
                       store_bytes(s["boundary"], bs, D, s["fmt"]))
-            row.ref_eager_us = bench(lambda: norm_rope_store_reference(*args))
-            row.ref_compiled_us = bench(lambda: compiled(norm_rope_store_reference)(*args), cudagraph=True)
+            row.ref_eager_us = bench_ref(lambda: norm_rope_store_reference(*args))
+            row.ref_compiled_us = bench_ref(lambda: compiled(norm_rope_store_reference)(*args), cudagraph=True)
             record(row)
 
             if config != "c4-indexer":
                 pargs = (s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"], r, 128, s["ring"], 0)
                 row = Row("plan_decode", config, f"bs {bs}", bs, bench(lambda: pk.plan_decode(*pargs), cudagraph=True),
                           bs * (8 + 8 + 2 * (4 + 8) + 16))
-                row.ref_eager_us = bench(lambda: plan_decode_reference(*pargs))
-                row.ref_compiled_us = bench(lambda: compiled(plan_decode_reference)(*pargs), cudagraph=True)
+                row.ref_eager_us = bench_ref(lambda: plan_decode_reference(*pargs))
+                row.ref_compiled_us = bench_ref(lambda: compiled(plan_decode_reference)(*pargs), cudagraph=True)
                 record(row)
 
             plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=DEV)
@@ -320,8 +334,8 @@ def run_decode(quick):
             row = Row("compress_decode_step (fused)", config, shape, bs,
                       bench(lambda: dk.decode_step(*fargs), cudagraph=True),
                       compress_decode_bytes(s, bs) + store_bytes(s["boundary"], 0, D, s["fmt"]) + bs * 48)
-            row.ref_eager_us = bench(lambda: decode_step_reference(*fargs))
-            row.ref_compiled_us = bench(lambda: compiled(decode_step_reference)(*fargs), cudagraph=True)
+            row.ref_eager_us = bench_ref(lambda: decode_step_reference(*fargs))
+            row.ref_compiled_us = bench_ref(lambda: compiled(decode_step_reference)(*fargs), cudagraph=True)
             record(row)
             del s, out
             torch.cuda.empty_cache()

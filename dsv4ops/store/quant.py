@@ -38,14 +38,22 @@ def bf16_round(x: torch.Tensor) -> torch.Tensor:
     return rounded.view(torch.float32)
 
 
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``[..., k]`` -> ``[..., k * itemsize]`` uint8, through a flat view: a ``[n, 1]`` view such as
+    ``scale[:, None]`` may keep a stride of 0 in its last dimension under Inductor (size-1 strides
+    do not count for contiguity), and ``view(torch.uint8)`` needs that stride to be 1."""
+    flat = x.contiguous().reshape(-1).view(torch.uint8)
+    return flat.reshape(*x.shape[:-1], x.shape[-1] * x.element_size())
+
+
 def bf16_bytes(x: torch.Tensor) -> torch.Tensor:
     """``[..., k]`` fp32 -> ``[..., 2k]`` uint8 little-endian bf16 (RNE)."""
-    return x.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return _as_bytes(x.to(torch.bfloat16))
 
 
 def fp32_bytes(x: torch.Tensor) -> torch.Tensor:
     """``[..., k]`` fp32 -> ``[..., 4k]`` uint8 little-endian."""
-    return x.float().contiguous().view(torch.uint8)
+    return _as_bytes(x.float())
 
 
 def div_rn(x: torch.Tensor, divisor: float) -> torch.Tensor:
