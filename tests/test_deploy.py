@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from torch.export import Dim
 
 import dsv4ops  # noqa: F401  (registers torch.ops.dsv4ops for export; the fresh process does not need it)
 from dsv4ops._layout import CacheLayout, cache_format
+from dsv4ops.deploy import ensure_aoti_compiler, links_libstdcxx_statically
 from dsv4ops.layer import DeepSeekV4Compressor
 from dsv4ops.testing import PagedPools, make_batch
 
@@ -153,6 +155,7 @@ def _aoti_package(ep, path: Path) -> str:
     """``aoti_compile_and_package``. Inductor assumes dynamic sizes >= 2 and the optional runtime
     input check (AOTI_RUNTIME_CHECK_INPUTS=1) would reject batch sizes 0 and 1, which the exported
     program allows and the compiled code handles (tested below): drop that lower-bound check."""
+    ensure_aoti_compiler()  # a compiler that links libstdc++ statically builds packages that crash at load
     configs = {}
     if hasattr(torch._inductor.config.aot_inductor, "check_lowerbound"):
         configs["aot_inductor.check_lowerbound"] = False
@@ -328,3 +331,61 @@ def test_module_buffers_as_aoti_constants(device, tmp_path_factory):
     for k, (got, w) in enumerate(zip(result["outputs_runner_owned"], want)):
         torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"runner-owned step {k}: {m}")
     _check_run(d, result["outputs"], result["state"], result["kvcache"])
+
+
+# ---------------------------------------------------------------------------
+# The toolchain: a compiler that links libstdc++ statically (the H200 image's g++ wrapper)
+# ---------------------------------------------------------------------------
+
+def _static_libstdcxx_wrapper(tmp_path) -> str:
+    """A ``g++`` that adds ``-static-libstdc++`` to every shared link, like the H200 image's wrapper."""
+    gxx = shutil.which("g++")
+    if gxx is None or shutil.which("readelf") is None:
+        pytest.skip("needs g++ and readelf")
+    archive = subprocess.run([gxx, "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(archive):
+        pytest.skip("g++ has no libstdc++.a")
+    wrapper = tmp_path / "g++"
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -shared "*) exec {gxx} "$@" -static-libstdc++;; esac\n'
+                       f'exec {gxx} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_static_libstdcxx_compiler_is_replaced(tmp_path, monkeypatch):
+    wrapper = _static_libstdcxx_wrapper(tmp_path)
+    assert links_libstdcxx_statically(wrapper) is True
+    assert links_libstdcxx_statically("g++") is False
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, wrapper))
+    with pytest.raises(RuntimeError, match="links libstdc\\+\\+ statically"):
+        ensure_aoti_compiler(candidates=())
+    with pytest.warns(UserWarning, match="Using .*g\\+\\+ instead"):
+        chosen = ensure_aoti_compiler(candidates=("g++",))
+    assert chosen == shutil.which("g++") and torch._inductor.config.cpp.cxx == (None, chosen)
+    assert ensure_aoti_compiler() == chosen  # a dynamic compiler is left alone
+
+
+class _Tiny(torch.nn.Module):
+    def forward(self, x):
+        return (x * 2 + 1).sum(0)
+
+
+@pytest.mark.slow
+def test_static_libstdcxx_package_fails_to_load_and_the_check_prevents_it(tmp_path, monkeypatch):
+    """The failure on record (docs/deployment.md): a package built by a static-libstdc++ compiler
+    does not load in a fresh process; after ``ensure_aoti_compiler`` it does."""
+    wrapper = _static_libstdcxx_wrapper(tmp_path)
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, wrapper))
+    load = ("import sys, torch; r = torch._inductor.aoti_load_package(sys.argv[1]); "
+            "print(r(torch.arange(6.0).view(2, 3)).tolist())")
+    ep = torch.export.export(_Tiny(), (torch.randn(2, 3),))
+    results = []
+    for name in ("static", "checked"):
+        if name == "checked":
+            with pytest.warns(UserWarning):
+                ensure_aoti_compiler(candidates=("g++",))
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / f"{name}.pt2"))
+        proc = subprocess.run([sys.executable, "-c", load, path], capture_output=True, text=True, timeout=300)
+        results.append((proc.returncode, proc.stdout.strip()))
+    assert results[0][0] != 0, "the static-libstdc++ package loaded: the failure mode is not reproduced here"
+    assert results[1] == (0, "[8.0, 12.0, 16.0]"), results[1]
