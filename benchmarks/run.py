@@ -3,9 +3,12 @@
     python -m benchmarks.run [--quick] [--only prefill|decode|step|train|sweep] [--out docs]
     python -m benchmarks.run --replot CSV --out DIR      # the plot again from a saved CSV (no GPU)
 
-For every row: median time (``triton.testing.do_bench``, which flushes L2 between runs;
-``do_bench_cudagraph`` for decode), the bytes the op must move (each input read once,
-each output written once, counted below per op), effective GB/s, % of the
+For every row: median time of the dsv4ops kernels with ``do_bench_cudagraph`` (GPU time of
+the launches replayed in a CUDA graph: the host's Python launch cost is left out, as in a
+captured serving step; the first H200 prefill rows, 2026-12-03, used ``do_bench``), of the
+eager reference with ``triton.testing.do_bench`` and of the compiled reference with
+``do_bench_cudagraph`` (decode) or ``do_bench`` (prefill); the bytes the op must move (each
+input read once, each output written once, counted below per op), effective GB/s, % of the
 device-to-device copy bandwidth measured in the same run, and the speedup over the eager
 reference and over ``torch.compile`` of the reference. Rows are appended to
 ``<out>/benchmarks.csv`` as they are measured (a run cut short keeps what it measured);
@@ -215,7 +218,7 @@ def run_prefill(quick):
 
                     row = Row("compress_forward prefill", config, shape, tokens,
                               bench(lambda: ck.compress_forward(state, s["x"], s["ape"], s["plan_c"], s["plan_w"],
-                                                                out, D, r)),
+                                                                out, D, r), cudagraph=True),
                               compress_prefill_bytes(s))
                     # the reference gathers every window of every (padded) plan row: [rows, W, width] fp32
                     if s["plan_c"].shape[0] * window_len(r) * state_row_width(D, r) * 4 <= REF_GATHER_LIMIT:
@@ -226,7 +229,8 @@ def run_prefill(quick):
                     kv, cache, fmt, freqs, w = store_setup(s, s["plan_c"].shape[0])
                     n_live = plan_counts(s)[0]
                     args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
-                    row = Row("norm_rope_store prefill", config, shape, tokens, bench(lambda: sk.norm_rope_store(*args)),
+                    row = Row("norm_rope_store prefill", config, shape, tokens,
+                              bench(lambda: sk.norm_rope_store(*args), cudagraph=True),
                               store_bytes(n_live, kv.shape[0], D, fmt))
                     row.ref_eager_us = bench_ref(lambda: norm_rope_store_reference(*args))
                     row.ref_compiled_us = bench_ref(lambda: compiled(norm_rope_store_reference)(*args))
@@ -237,7 +241,8 @@ def run_prefill(quick):
                         n_c, _, n_w = plan_counts(s)
                         # lengths and ids in, the state-row lookups of every event / write, both plans out
                         nbytes = requests * 24 + (2 * n_c + n_w) * 12 + tokens * 24
-                        row = Row("plan_prefill", config, shape, tokens, bench(lambda: pk.plan_prefill(*pargs)), nbytes)
+                        row = Row("plan_prefill", config, shape, tokens, bench(lambda: pk.plan_prefill(*pargs), cudagraph=True),
+                                  nbytes)
                         row.ref_eager_us = bench_ref(lambda: plan_prefill_reference(*pargs))
                         row.ref_compiled_us = bench_ref(lambda: compiled(plan_prefill_reference)(*pargs))
                         record(row)
