@@ -7,7 +7,7 @@
 #    (DSV4OPS_DEPLOY_ARTIFACTS, default /tmp/dsv4ops-aoti);
 # 3. every fresh-process job that died of a signal is run again under cuda-gdb (the H200 image
 #    has no gdb; cuda-gdb debugs host code too) for a native backtrace.
-# Output files (at most four): versions.txt, deploy.log, fresh-logs.txt, gdb.txt.
+# Output files (three: a device call returns at most eight): deploy.log (versions first), fresh-logs.txt, gdb.txt.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:-aoti-diag}"
@@ -19,14 +19,13 @@ export PYTHONUNBUFFERED=1 DSV4OPS_DEPLOY_ARTIFACTS="$art"
 {
   nvidia-smi -L
   "$py" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-} > "$out/versions.txt" 2>&1
-cat "$out/versions.txt"
+} > "$out/deploy.log" 2>&1
+cat "$out/deploy.log"
 # the module-buffer (AOTI constants) variant first and on its own: a crash of the in-process load
 # test further on kills pytest, and the fresh-process logs written so far survive it
 status=0
-: > "$out/deploy.log"
 if [ "${AOTI_CONSTANTS:-1}" != 0 ]; then
-  "$py" -m pytest -q tests/test_deploy.py -k "constants and cuda" -p no:cacheprovider -rA 2>&1 | tee "$out/deploy.log" | tail -8
+  "$py" -m pytest -q tests/test_deploy.py -k "constants and cuda" -p no:cacheprovider -rA 2>&1 | tee -a "$out/deploy.log" | tail -8
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 "$py" -m pytest -q tests/test_deploy.py -k "($expr) and not constants" -p no:cacheprovider -rA 2>&1 | tee -a "$out/deploy.log" | tail -15

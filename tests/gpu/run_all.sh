@@ -10,7 +10,8 @@
 #   deploy    AOTInductor packages on CUDA in a fresh process (tests/gpu/aoti_diag.sh, which keeps
 #             the packages and takes a native backtrace of a crash)
 #   memcheck  compute-sanitizer memcheck over the GPU kernel tests (every kernel variant)
-#   bench     the whole-decode-step benchmark under one CUDA graph
+#   bench     benchmarks.run with $BENCH_ARGS (default "--quick --only step": the whole decode step
+#             under one CUDA graph); e.g. BENCH_ARGS="--quick" for the reduced grid
 # <STAGE>_LIMIT=<seconds> (e.g. SUITE_LIMIT=300) stops a stage with SIGINT after that long, so
 # pytest still names every failure so far; tests/gpu/short_run.sh sets limits that fit one
 # 10-minute device call. Writes <stage>.log and summary.txt to the output dir.
@@ -55,8 +56,9 @@ for stage in ${STAGES:-gpu suite deploy memcheck}; do
         -k "kernels and not compile and not variant" -p no:cacheprovider > "$out/memcheck-pytest.log" 2>&1 || status=1
       result="$(grep -h 'ERROR SUMMARY' "$out/memcheck.log" | tail -1); $(pytest_result "$out/memcheck-pytest.log")" ;;
     bench)
-      limited bench "$py" -m benchmarks.run --quick --only step --out "$out/bench" > "$out/bench.log" 2>&1 || status=1
-      result="$(grep -c 'whole decode step' "$out/bench.log") rows" ;;
+      limited bench "$py" -m benchmarks.run ${BENCH_ARGS:---quick --only step} --out "$out/bench" > "$out/bench.log" 2>&1 \
+        || status=1
+      result="$(($(wc -l < "$out/bench/benchmarks.csv" 2>/dev/null || echo 1) - 1)) rows" ;;
     *)
       summary "unknown stage $stage"; status=1; continue ;;
   esac
