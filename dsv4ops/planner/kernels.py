@@ -237,6 +237,7 @@ if HAVE_TRITON:
             i, live, begin, tl.load(seq_ptr + b, mask=live, other=0), tl.load(ext_ptr + b, mask=live, other=0),
             tl.load(rpi_ptr + b, mask=live, other=0), ONLINE)
         col4 = tl.arange(0, 4)[None, :]
+        sentinel = tl.broadcast_to(tl.where(col4 == 1, 0, -1), (ROWS, 4))  # a padding plan_c row
         if ONLINE:
             # close segment of position p (a chunk end) -> plan_c row ev_base + (p + 1) // 128 - prefix // 128 - 1;
             # the request's trailing write segment (its last position, not a chunk end) -> plan_w row wr_base
@@ -249,8 +250,6 @@ if HAVE_TRITON:
             close_dst = ev_base + (pos + 1) // 128 - prefix // 128 - 1
             tl.store(plan_c_ptr + close_dst[:, None] * 4 + col4, words, mask=is_close[:, None])
             tl.store(plan_w_ptr + wr_base[:, None] * 4 + col4, words, mask=is_write[:, None])
-            sentinel = tl.broadcast_to(tl.where(col4 == 1, 0, -1), (ROWS, 4))
-            tl.store(plan_c_ptr + i[:, None] * 4 + col4, sentinel, mask=(in_rows & (i >= total_events))[:, None])
             tl.store(plan_w_ptr + i[:, None] * 4 + col4, sentinel, mask=(in_rows & (i >= total_writes))[:, None])
         else:
             lookup = (r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring, RATIO, ADDRESSING,
@@ -270,13 +269,10 @@ if HAVE_TRITON:
             col2 = tl.arange(0, 2)[None, :]
             wr_dst = wr_base + _writes_before(pos, prefix, first, sps, RATIO, ADDRESSING)
             tl.store(plan_w_ptr + wr_dst[:, None] * 2 + col2, tl.join(i, row), mask=is_write[:, None])
-
-            # padding: output rows of this block's range past the valid ones
-            pad_c = in_rows & (i >= total_events)
-            tl.store(plan_c_ptr + i[:, None] * 4 + col4, tl.broadcast_to(tl.where(col4 == 1, 0, -1), (ROWS, 4)),
-                     mask=pad_c[:, None])
             pad_w = in_rows & (i >= total_writes)
             tl.store(plan_w_ptr + i[:, None] * 2 + col2, tl.full([ROWS, 2], -1, tl.int32), mask=pad_w[:, None])
+        # padding: plan_c rows of this block's range past the valid ones
+        tl.store(plan_c_ptr + i[:, None] * 4 + col4, sentinel, mask=(in_rows & (i >= total_events))[:, None])
 
 
 def _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing, device):
