@@ -11,6 +11,7 @@ global loads / stores are 128 bits wide (from the SASS). docs/performance.md quo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -31,6 +32,32 @@ def run_variants_in_subprocess(test_file: str) -> str:
                             timeout=1200, cwd=REPO)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     return result.stdout
+
+
+@contextlib.contextmanager
+def sm90_driver():
+    """Triton's active driver is an sm_90 target for the duration (no GPU needed): what Inductor's
+    kernel analysis and ``torch.compile`` of a ``wrap_triton`` launch ask the driver about."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, *args):
+            return 0
+
+    driver = triton.runtime.driver
+    active = driver.__dict__.get("_active")
+    driver.set_active(_Sm90())
+    try:
+        yield
+    finally:
+        driver._active = active
 
 
 def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, max_stack: int = 0):

@@ -24,9 +24,7 @@ import sys
 import pytest
 import torch
 
-from _sm90 import run_variants_in_subprocess
-
-HIDDEN = 64
+from _sm90 import run_variants_in_subprocess, sm90_driver
 
 
 def test_cuda_path_compiles_once():
@@ -39,31 +37,17 @@ def cuda_path(monkeypatch):
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("interpreter mode: the variants run in a subprocess without TRITON_INTERPRET")
     import triton
-    from triton.backends.compiler import GPUTarget
 
     import dsv4ops  # noqa: F401
 
-    class _Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, *args):
-            return 0
-
-    driver = triton.runtime.driver
-    active = driver.__dict__.get("_active")
-    driver.set_active(_Sm90())
     monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", lambda self, *args, **kwargs: None)
     for name, module in list(sys.modules.items()):
         if name.startswith("dsv4ops.") and hasattr(module, "use_triton"):
             monkeypatch.setattr(module, "use_triton", lambda t: True)
     torch._dynamo.reset()
-    yield
+    with sm90_driver():
+        yield
     torch._dynamo.reset()
-    driver._active = active
 
 
 @pytest.mark.parametrize("r,D", [(4, 128), (128, 512)])
@@ -71,14 +55,12 @@ def test_variant_layer_prefill_and_decode(cuda_path, r, D):
     """Chunked prefills of different token counts, then decodes of batch 1 to 32: one graph each."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from dsv4ops.layer import DeepSeekV4Compressor, mark_dynamic_tokens
-    from dsv4ops.testing import PagedPools, make_batch
+    from dsv4ops.layer import mark_dynamic_tokens
+    from dsv4ops.testing import make_batch
+    from test_compile import _layer_and_pools, _step_args
 
-    pools = PagedPools(max_requests=40, max_seq_len=1024, swa_page_size=128, full_page_size=256)
-    layer = DeepSeekV4Compressor(
-        HIDDEN, D, r, state_rows=pools.state_rows(r, 8 if r == 4 else 128), cache_pages=pools.cache_pages(),
-        cache_page_size=256 // r, swa_page_size=128, max_positions=1024,
-    )
+    layer, pools = _layer_and_pools(r, D)
+    gen = torch.Generator().manual_seed(0)
     prefill_counter = CompileCounterWithBackend("aot_eager")
     decode_counter = CompileCounterWithBackend("aot_eager")
     prefill = torch.compile(copy.deepcopy(layer), backend=prefill_counter, fullgraph=True)
@@ -86,9 +68,7 @@ def test_variant_layer_prefill_and_decode(cuda_path, r, D):
     seq = {}
 
     def run(fn, batch):
-        out_loc = pools.out_loc([a for a, _ in batch.rows], [b for _, b in batch.rows], r)
-        args = (torch.randn(batch.num_q_tokens, HIDDEN), batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
-                pools.req_to_token, pools.full_to_state, out_loc)
+        args = _step_args(pools, batch, r, gen)
         mark_dynamic_tokens(args[0], args[1], args[2], args[3], args[6])
         fn(*args)
         for rid, pos in batch.rows:

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from _sm90 import run_variants_in_subprocess
+from _sm90 import run_variants_in_subprocess, sm90_driver
 
 #: kernel -> the pointer arguments it writes (its outputs)
 WRITES = {
@@ -87,30 +87,16 @@ def captured(monkeypatch):
 
 def _written(kernel, args, kwargs) -> set:
     """The pointer arguments Inductor's analysis counts as written, for an sm_90 target."""
-    import triton
     from torch._higher_order_ops import triton_kernel_wrap as wrap
-    from triton.backends.compiler import GPUTarget
-
-    class _Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
 
     named = dict(zip(kernel.arg_names, args), **kwargs)
-    driver = triton.runtime.driver
-    active = driver.__dict__.get("_active")
-    driver.set_active(_Sm90())
-    try:
+    with sm90_driver():
         module, arg_names = wrap.generate_ttir(kernel, named, {})  # raises where the analysis would give up
         analyze = getattr(wrap, "identify_accessed_tensors", None)
         if analyze is not None:  # torch >= 2.12
             writes = {str(dep.name) for dep in analyze(kernel, named, {}).read_writes.writes}
         else:
             writes = set(wrap.identify_mutated_tensors(kernel, named, {}))
-    finally:
-        driver._active = active
     return {name for name in writes if isinstance(named.get(name), torch.Tensor)}
 
 
