@@ -322,8 +322,10 @@ if HAVE_TRITON:
 
 
 # ---------------------------------------------------------------------- launch parameters
-#: decode: channels per program
-DECODE_BLOCK_D = {4: 128, 128: 64}
+#: decode: channels per program. Ratio 128 holds the whole 128-row window of its channels in
+#: registers (kv, score and ape tiles): at 64 channels that is 176 registers per thread on sm_90
+#: (2 programs per SM), at 32 channels 96 (5 per SM) and twice the programs per boundary request.
+DECODE_BLOCK_D = {4: 128, 128: 32}
 #: ratio-4 pooling tile: (events per program, channels per program, warps)
 C4_TILE = (16, 64, 4)
 #: ratio-128 pooling: (window rows per tile, channels per program, plan rows read per vector, warps)
