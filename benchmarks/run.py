@@ -5,9 +5,11 @@
 
 For every row: median time of the dsv4ops kernels with ``do_bench_cudagraph`` (GPU time of
 the launches replayed in a CUDA graph: the host's Python launch cost is left out, as in a
-captured serving step; the first H200 prefill rows, 2026-12-03, used ``do_bench``), of the
-eager reference with ``triton.testing.do_bench`` and of the compiled reference with
-``do_bench_cudagraph`` (decode) or ``do_bench`` (prefill); the bytes the op must move (each
+captured serving step; the first H200 prefill rows, 2026-12-03, used ``do_bench``), and of
+the eager reference and the compiled reference the same way (``bench_ref``; a reference that
+cannot be captured falls back to ``do_bench`` and the log says so; before the fourth session
+of 2026-12-03 the eager references and the compiled prefill references were timed with
+``do_bench``, host launch cost included); the bytes the op must move (each
 input read once, each output written once, counted below per op), effective GB/s, % of the
 device-to-device copy bandwidth measured in the same run, and the speedup over the eager
 reference and over ``torch.compile`` of the reference. Rows are appended to
@@ -102,18 +104,33 @@ def bench(fn, cudagraph=False, rep=150):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
 
 
-def bench_ref(fn, cudagraph=False, rep=150):
-    """``bench`` for a reference: a failure (e.g. an Inductor error compiling it) prints one line and
-    gives NaN, so one broken comparison does not end the run; the dry run still raises."""
+def bench_ref(fn, rep=150):
+    """GPU time of a reference (eager or compiled), replayed in a CUDA graph as the dsv4ops launches
+    are, so the speedups compare GPU work with GPU work, not kernels with Python. A reference that
+    cannot be captured is timed with ``do_bench`` (its host launch cost included) and the run says
+    so. A failure (e.g. an Inductor error compiling it) prints one line and gives NaN, so one broken
+    comparison does not end the run; the dry run still raises."""
     try:
-        return bench(fn, cudagraph=cudagraph, rep=rep)
+        if DRY_RUN:
+            return bench(fn)
+        fn()  # compile and warm up outside the capture
+        try:
+            return bench(fn, cudagraph=True, rep=rep)
+        except Exception as e:  # noqa: BLE001 -- reported, then timed without a graph
+            torch.cuda.synchronize()
+            print(f"  reference not capturable ({type(e).__name__}: {_first_line(e)[:120]}): timed with do_bench",
+                  flush=True)
+            return bench(fn, rep=rep)
     except Exception as e:  # noqa: BLE001 -- reported, then the row goes on without this comparison
         if DRY_RUN:
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"  reference failed: {type(e).__name__}: {first[:200]}", flush=True)
+        print(f"  reference failed: {type(e).__name__}: {_first_line(e)[:200]}", flush=True)
         torch._dynamo.reset()
         return float("nan")
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
 _compiled = {}
@@ -312,7 +329,7 @@ def run_decode(quick):
                             cudagraph=True),
                       compress_decode_bytes(s, bs))
             row.ref_eager_us = bench_ref(ref)
-            row.ref_compiled_us = bench_ref(lambda: ref(compiled(compress_decode_reference)), cudagraph=True)
+            row.ref_compiled_us = bench_ref(lambda: ref(compiled(compress_decode_reference)))
             record(row)
 
             args = (torch.randn(bs, D, device=DEV), s["plan"], s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"],
@@ -321,7 +338,7 @@ def run_decode(quick):
                       bench(lambda: sk.norm_rope_store(*args), cudagraph=True),
                       store_bytes(s["boundary"], bs, D, s["fmt"]))
             row.ref_eager_us = bench_ref(lambda: norm_rope_store_reference(*args))
-            row.ref_compiled_us = bench_ref(lambda: compiled(norm_rope_store_reference)(*args), cudagraph=True)
+            row.ref_compiled_us = bench_ref(lambda: compiled(norm_rope_store_reference)(*args))
             record(row)
 
             if config != "c4-indexer":
@@ -329,7 +346,7 @@ def run_decode(quick):
                 row = Row("plan_decode", config, f"bs {bs}", bs, bench(lambda: pk.plan_decode(*pargs), cudagraph=True),
                           bs * (8 + 8 + 2 * (4 + 8) + 16))
                 row.ref_eager_us = bench_ref(lambda: plan_decode_reference(*pargs))
-                row.ref_compiled_us = bench_ref(lambda: compiled(plan_decode_reference)(*pargs), cudagraph=True)
+                row.ref_compiled_us = bench_ref(lambda: compiled(plan_decode_reference)(*pargs))
                 record(row)
 
             plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=DEV)
@@ -340,7 +357,7 @@ def run_decode(quick):
                       bench(lambda: dk.decode_step(*fargs), cudagraph=True),
                       compress_decode_bytes(s, bs) + store_bytes(s["boundary"], 0, D, s["fmt"]) + bs * 48)
             row.ref_eager_us = bench_ref(lambda: decode_step_reference(*fargs))
-            row.ref_compiled_us = bench_ref(lambda: compiled(decode_step_reference)(*fargs), cudagraph=True)
+            row.ref_compiled_us = bench_ref(lambda: compiled(decode_step_reference)(*fargs))
             record(row)
             del s, out
             torch.cuda.empty_cache()
@@ -378,29 +395,95 @@ def whole_decode_step(bs=None):
 
 
 # ---------------------------------------------------------------------- tile sweeps
+SWEEP_C4 = [(16, 64, 4), (8, 64, 4), (8, 128, 4), (8, 64, 2), (4, 128, 4), (16, 64, 8), (32, 64, 8), (8, 32, 2)]
+SWEEP_C128 = [(32, 32, 32, 4), (32, 64, 32, 8), (16, 32, 32, 2), (32, 32, 32, 8), (64, 32, 32, 8), (32, 16, 32, 4)]
+SWEEP_C128_PROGRAMS = [128, 256, 512]
+SWEEP_DECODE_BLOCK_D = [64, 32, 16]
+SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
+
+
+class _Sweep:
+    """One group of a sweep: prints every candidate's time and, at the end, the fastest."""
+
+    def __init__(self, name, nbytes):
+        self.name, self.nbytes, self.results = name, nbytes, []
+
+    def time(self, label, fn):
+        us = bench(fn, cudagraph=True)
+        self.results.append((us, label))
+        print(f"sweep {self.name}: {label}: {us:8.2f} us {self.nbytes / us / 1e3:7.0f} GB/s "
+              f"{100 * self.nbytes / us / 1e3 / COPY_BW:5.1f}%", flush=True)
+
+    def best(self):
+        us, label = min(self.results)
+        print(f"best  {self.name}: {label}: {us:8.2f} us", flush=True)
+
+
 def sweep_tiles():
-    """Kernel-only timings of the prefill pooling tile choices (16K tokens, 32 requests, no prefix)."""
-    c4 = [(16, 64, 4), (8, 64, 4), (8, 128, 4), (16, 128, 8), (32, 64, 8)]
-    c128 = [(32, 32, 32, 4), (32, 64, 32, 8), (16, 32, 32, 2), (32, 32, 32, 8), (64, 32, 32, 8)]
-    programs = [128, 256, 512]
-    saved = ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS
-    for config, tiles in (("c4-main", c4), ("c4-indexer", c4), ("c128-main", c128)):
-        for requests in (1, 32):
-            s = prefill_setup(config, 16384, requests, 0)
-            r, D = s["r"], s["D"]
-            out = torch.empty(s["plan_c"].shape[0], D, device=DEV)
-            nbytes = compress_prefill_bytes(s)
-            for tile in tiles:
-                for g in (programs if r == 128 else programs[:1]):
-                    if r == 4:
-                        ck.C4_TILE = tile
-                    else:
-                        ck.C128_TILE, ck.C128_PROGRAMS = tile, g
-                    us = bench(lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"],
-                                                           out, D, r))
-                    print(f"sweep {config:11s} {requests:2d} req tile {tile} programs {g}: {us:8.2f} us "
-                          f"{nbytes / us / 1e3:7.0f} GB/s {100 * nbytes / us / 1e3 / COPY_BW:5.1f}%", flush=True)
-            ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS = saved
+    """Kernel-only timings (replayed in a CUDA graph, as the benchmark rows) of the launch parameters:
+    the prefill pooling tiles (ratio 4 main and indexer, ratio 128; 4K and 16K tokens), the
+    ratio-128 decode channel block (compress_forward decode and the fused step, batch 128) and the
+    store's rows per program (prefill, 16K tokens). Each group ends with its fastest candidate."""
+    saved = ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS, dict(ck.DECODE_BLOCK_D), dict(sk.BLOCK_M)
+    cases = ((16384, 1), (16384, 32), (4096, 1))
+    c4, c128, programs_list, block_ds, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_PROGRAMS, SWEEP_DECODE_BLOCK_D, \
+        SWEEP_STORE_BLOCK_M
+    if DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
+        cases = ((PREFILL_TOKENS[0], 32),)
+        c4, c128, programs_list, block_ds, block_ms = c4[:2], c128[:2], [8], block_ds[:2], block_ms[:2]
+    try:
+        for config in CONFIGS:
+            for tokens, requests in cases:
+                s = prefill_setup(config, tokens, requests, 0)
+                r, D = s["r"], s["D"]
+                out = torch.empty(s["plan_c"].shape[0], D, device=DEV)
+                group = _Sweep(f"prefill {config} {tokens} tok / {requests} req", compress_prefill_bytes(s))
+                run = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)  # noqa: E731
+                for tile in (c4 if r == 4 else c128):
+                    for programs in (programs_list if r == 128 else [None]):
+                        if r == 4:
+                            ck.C4_TILE = tile
+                            group.time(f"C4_TILE {tile}", run)
+                        else:
+                            ck.C128_TILE, ck.C128_PROGRAMS = tile, programs
+                            group.time(f"C128_TILE {tile} C128_PROGRAMS {programs}", run)
+                group.best()
+                ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS = saved[:3]
+                if requests == 32:
+                    kv, cache, fmt, freqs, w = store_setup(s, s["plan_c"].shape[0])
+                    args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
+                    kind = "main" if D == 512 else "indexer"
+                    group = _Sweep(f"store {config} {tokens} tok", store_bytes(plan_counts(s)[0], kv.shape[0], D, fmt))
+                    for block_m in block_ms:
+                        sk.BLOCK_M[kind] = (block_m, saved[4][kind][1])
+                        group.time(f"BLOCK_M[{kind!r}] prefill {block_m}", lambda: sk.norm_rope_store(*args))
+                    group.best()
+                    sk.BLOCK_M.update(saved[4])
+                del s, out
+                torch.cuda.empty_cache()
+        s = decode_setup("c128-main", STEP_BATCH)
+        D, bs = s["D"], STEP_BATCH
+        out = torch.empty(bs, D, device=DEV)
+        plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=DEV)
+        nbytes = compress_decode_bytes(s, bs)
+        for name, fn in (
+            ("compress_forward decode", lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out,
+                                                                    D, 128)),
+            ("fused decode step", lambda: dk.decode_step(
+                s["state"], s["x"], s["ape"], s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"],
+                s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plan_buf, out, D, 128, 128, s["ring"], 0,
+                2, False, False)),
+        ):
+            group = _Sweep(f"{name} c128-main bs {bs} ({s['boundary']} at a boundary)", nbytes)
+            for block_d in block_ds:
+                ck.DECODE_BLOCK_D[128] = block_d
+                group.time(f"DECODE_BLOCK_D[128] {block_d}", fn)
+            group.best()
+            ck.DECODE_BLOCK_D.update(saved[3])
+    finally:
+        ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS = saved[:3]
+        ck.DECODE_BLOCK_D.update(saved[3])
+        sk.BLOCK_M.update(saved[4])
 
 
 def run_train(quick):

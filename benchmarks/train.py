@@ -3,13 +3,20 @@
     python -m benchmarks.train [--quick] [--sweep] [--csv PATH]
 
 For every configuration (ratio 128 and 4, D = 512, B x T = 1 x 8192 and 4 x 8192, fp32 and
-bf16 ``kv_score``/``ape``) it times, with ``triton.testing.do_bench`` (median):
+bf16 ``kv_score``/``ape``) it times the median GPU time, replayed in a CUDA graph with
+``triton.testing.do_bench_cudagraph``, of:
 
-* ``fwd+bwd``: ``torch.autograd.grad(op(x, ape), (x, ape), g)`` -- the training step as
-  autograd runs it, for the dsv4ops op (Triton kernels), the PyTorch reference through
-  aten autograd (eager) and ``torch.compile`` of that reference (Inductor compiles the
-  forward and, through AOTAutograd, the backward);
-* ``fwd`` and ``bwd`` alone for the Triton kernels (direct launches, no autograd).
+* ``fwd+bwd`` (column ``triton``): ``torch.autograd.grad(op(x, ape), (x, ape), g)`` -- the
+  training step as autograd runs it, for the dsv4ops op (Triton kernels), the PyTorch
+  reference through aten autograd (``ref_eager``) and ``torch.compile`` of that reference
+  (``ref_compiled``: Inductor compiles the forward and, through AOTAutograd, the backward);
+* ``fwd`` and ``bwd`` alone for the Triton kernels (direct launches, no autograd);
+* ``triton_host``: the dsv4ops ``fwd+bwd`` with ``do_bench`` and no graph, i.e. what an eager
+  training loop pays when the host (custom-op dispatch, autograd) is slower than the GPU.
+
+The first H200 run (2026-12-03) timed everything with ``do_bench``: every fwd+bwd figure
+(dsv4ops 550-921 us, references 507-1864 us) was dominated by host work, against 19-26 us forward and
+57-146 us backward for the kernels alone.
 
 Bytes moved (each tensor read or written once): forward reads the complete chunks of
 ``kv_score`` and ``ape`` and writes ``out``; backward reads ``kv_score``, ``ape`` and
@@ -38,9 +45,20 @@ HEAD_DIM = 512
 ANCHOR = "cuDNN-frontend fused kernel, B200, ratio 128, 1x8192, d 512: 33 us fwd+bwd"
 
 
-def _bench(fn, quick: bool) -> float:
-    from triton.testing import do_bench
+def _bench(fn, quick: bool, graph: bool = True) -> float:
+    """Median microseconds of ``fn``. ``graph``: GPU time, ``fn`` replayed in a CUDA graph (autograd's
+    backward included: it is captured as ``make_graphed_callables`` captures it), so Python and
+    autograd's host work are left out; if ``fn`` cannot be captured, ``do_bench`` with a note.
+    Otherwise ``do_bench`` of the plain call, host time included when it outlasts the GPU work."""
+    from triton.testing import do_bench, do_bench_cudagraph
 
+    fn()  # compile and warm up outside any capture
+    if graph:
+        try:
+            return do_bench_cudagraph(fn, rep=50 if quick else 200, return_mode="median") * 1e3
+        except Exception as e:  # noqa: BLE001 -- reported, then timed without a graph
+            torch.cuda.synchronize()
+            print(f"  not capturable ({type(e).__name__}): timed with do_bench", flush=True)
     return do_bench(fn, warmup=10 if quick else 25, rep=50 if quick else 200, return_mode="median") * 1e3  # us
 
 
@@ -92,6 +110,7 @@ def _compress_rows(quick: bool) -> list:
         xd, ad = x.detach(), ape.detach()
         times = dict(
             triton=_bench(op, quick),
+            triton_host=_bench(op, quick, graph=False),
             fwd=_bench(lambda: tk.compress_train(xd, ad, D, r), quick),
             bwd=_bench(lambda: tk.compress_train_backward(g, xd, ad, D, r), quick),
             ref_eager=_bench(eager, quick),
@@ -129,7 +148,8 @@ def _norm_rope_rows(quick: bool) -> list:
         def step(fn):
             return lambda: torch.autograd.grad(fn(x, w, 1e-6, freqs, pos), (x, w), g)
 
-        times = dict(triton=_bench(step(norm_rope), quick), ref_eager=_bench(step(norm_rope_reference), quick),
+        times = dict(triton=_bench(step(norm_rope), quick), triton_host=_bench(step(norm_rope), quick, graph=False),
+                     ref_eager=_bench(step(norm_rope_reference), quick),
                      ref_compiled=_bench(step(compiled_ref), quick))
         row = _row("norm_rope", 0, 1, n, D, dtype, nbytes, times)
         rows.append(row)

@@ -30,3 +30,15 @@ def test_benchmark_script_dry_run(tmp_path):
         assert ("plan_prefill", config) in ops and ("plan_decode", config) in ops
     assert any(row["op"].startswith("whole decode step") for row in rows)
     assert all(int(row["bytes"]) > 0 for row in rows if not row["op"].startswith("whole decode step"))
+
+
+def test_tile_sweep_dry_run(tmp_path):
+    """``--only sweep`` (the launch-parameter sweep a GPU session runs before tuning) runs every group."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.run", "--dry-run", "--only", "sweep", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    best = [line for line in done.stdout.splitlines() if line.startswith("best ")]
+    for group in ("prefill c4-main", "prefill c4-indexer", "prefill c128-main", "store c4-main", "store c4-indexer",
+                  "store c128-main", "compress_forward decode c128-main", "fused decode step c128-main"):
+        assert any(line.startswith(f"best  {group}") for line in best), f"no result for {group}:\n{done.stdout}"
