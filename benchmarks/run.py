@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 import triton
+import triton.language as tl
 from triton.testing import do_bench, do_bench_cudagraph
 
 import dsv4ops  # noqa: F401
@@ -363,6 +364,20 @@ def run_decode(quick):
             torch.cuda.empty_cache()
 
 
+@triton.jit
+def _floor_kernel(ptr):
+    tl.store(ptr + tl.program_id(0), tl.program_id(0))
+
+
+def launch_floor(bs):
+    """The floor of one launch in a CUDA graph: a kernel that stores one int per program and reads
+    nothing (the decode rows cannot go below it, whatever their bytes)."""
+    sink = torch.empty(bs, dtype=torch.int32, device=DEV)
+    for programs in (1, bs):
+        record(Row("launch floor (empty kernel)", "-", f"{programs} programs", programs,
+                   bench(lambda: _floor_kernel[(programs,)](sink), cudagraph=True), 0))
+
+
 def whole_decode_step(bs=None):
     """Plans + compress + store for core c4, indexer c4 and core c128 under one CUDA graph:
     the unfused sequence of sglang's calls (8 launches) and the fused ops (4 launches)."""
@@ -392,6 +407,7 @@ def whole_decode_step(bs=None):
     for name, fn in (("whole decode step, unfused (8 launches)", unfused), ("whole decode step, fused (4 launches)", fused)):
         row = Row(name, "c4+indexer+c128", f"bs {bs}", bs, bench(fn, cudagraph=True, rep=300), 0)
         record(row)
+    launch_floor(bs)
 
 
 # ---------------------------------------------------------------------- tile sweeps
