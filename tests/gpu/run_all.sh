@@ -11,7 +11,9 @@
 #             the packages and takes a native backtrace of a crash)
 #   memcheck  compute-sanitizer memcheck over the GPU kernel tests (every kernel variant)
 #   bench     benchmarks.run with $BENCH_ARGS (default "--quick --only step": the whole decode step
-#             under one CUDA graph); e.g. BENCH_ARGS="--quick" for the reduced grid
+#             under one CUDA graph); e.g. BENCH_ARGS="--quick" for the reduced grid, "--only sweep"
+#             for the launch-parameter sweep
+#   train     benchmarks.train --quick (training ops, forward + backward, CUDA-graph GPU times)
 # <STAGE>_LIMIT=<seconds> (e.g. SUITE_LIMIT=300) stops a stage with SIGINT after that long, so
 # pytest still names every failure so far; tests/gpu/short_run.sh sets limits that fit one
 # 10-minute device call. Writes <stage>.log and summary.txt to the output dir.
@@ -59,6 +61,9 @@ for stage in ${STAGES:-gpu suite deploy memcheck}; do
       limited bench "$py" -m benchmarks.run ${BENCH_ARGS:---quick --only step} --out "$out/bench" > "$out/bench.log" 2>&1 \
         || status=1
       result="$(($(wc -l < "$out/bench/benchmarks.csv" 2>/dev/null || echo 1) - 1)) rows" ;;
+    train)
+      limited train "$py" -m benchmarks.train --quick --csv "$out/train.csv" > "$out/train.log" 2>&1 || status=1
+      result="$(($(wc -l < "$out/train.csv" 2>/dev/null || echo 1) - 1)) rows" ;;
     *)
       summary "unknown stage $stage"; status=1; continue ;;
   esac
