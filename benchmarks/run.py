@@ -453,7 +453,7 @@ class _Sweep:
         self.name, self.nbytes, self.results = name, nbytes, []
 
     def time(self, label, fn):
-        us = bench(fn, cudagraph=True)
+        us = bench(fn, cudagraph=True, rep=100)
         self.results.append((us, label))
         print(f"sweep {self.name}: {label}: {us:8.2f} us {self.nbytes / us / 1e3:7.0f} GB/s "
               f"{100 * self.nbytes / us / 1e3 / COPY_BW:5.1f}%", flush=True)
