@@ -43,8 +43,12 @@ for stage in ${STAGES:-gpu suite deploy memcheck}; do
     suite)
       workers=""
       "$py" -c "import xdist" 2>/dev/null && workers="-n ${WORKERS:-14}"
+      # -rfEp names every passed test too, so a run cut by SUITE_LIMIT shows what it did not reach
+      # (against the collection in suite-collected.txt)
+      "$py" -m pytest -q --collect-only tests --ignore=tests/gpu --ignore=tests/test_deploy.py -p no:cacheprovider \
+        > "$out/suite-collected.txt" 2>&1
       limited suite "$py" -m pytest -q tests --ignore=tests/gpu --ignore=tests/test_deploy.py -p no:cacheprovider \
-        -rfE --durations=20 $workers > "$out/suite.log" 2>&1 || status=1
+        -rfEp --durations=20 $workers > "$out/suite.log" 2>&1 || status=1
       result="$(pytest_result "$out/suite.log")" ;;
     deploy)
       limited deploy bash tests/gpu/aoti_diag.sh "$out/aoti" > "$out/deploy.log" 2>&1 || status=1
