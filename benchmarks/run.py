@@ -442,7 +442,8 @@ def whole_decode_step(bs=None):
 SWEEP_C4 = [(16, 64, 4), (8, 64, 4), (8, 128, 4), (8, 64, 2), (4, 128, 4), (16, 64, 8), (32, 64, 8), (8, 32, 2)]
 SWEEP_C128 = [(32, 32, 32, 4), (32, 64, 32, 8), (16, 32, 32, 2), (32, 32, 32, 8), (64, 32, 32, 8), (32, 16, 32, 4)]
 SWEEP_C128_PROGRAMS = [128, 256, 512]
-SWEEP_DECODE_BLOCK_D = [64, 32, 16]
+SWEEP_DECODE_BLOCK_D = {128: [32, 64, 16], 4: [128, 64, 256]}
+SWEEP_C4_WARPS = {512: [8, 4, 16], 128: [4, 2, 8]}
 SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
 
 
@@ -465,16 +466,18 @@ class _Sweep:
 
 def sweep_tiles():
     """Kernel-only timings (replayed in a CUDA graph, as the benchmark rows) of the launch parameters:
-    the prefill pooling tiles (ratio 4 main and indexer, ratio 128; 4K and 16K tokens), the
-    ratio-128 decode channel block (compress_forward decode and the fused step, batch 128) and the
-    store's rows per program (prefill, 16K tokens). Each group ends with its fastest candidate."""
-    saved = ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS, dict(ck.DECODE_BLOCK_D), dict(sk.BLOCK_M)
+    the prefill pooling tiles (ratio 4 main and indexer, ratio 128; 4K and 16K tokens), the store's
+    rows per program (prefill, 16K tokens), the decode channel blocks (compress_forward decode; for
+    ratio 128 also the fused step) and the warps of the ratio-4 fused step (batch 128). Each group
+    ends with its fastest candidate."""
+    saved = ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS, dict(ck.DECODE_BLOCK_D), dict(sk.BLOCK_M), dict(dk.C4_WARPS)
     cases = ((16384, 1), (16384, 32), (4096, 1))
-    c4, c128, programs_list, block_ds, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_PROGRAMS, SWEEP_DECODE_BLOCK_D, \
-        SWEEP_STORE_BLOCK_M
+    c4, c128, programs_list, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_PROGRAMS, SWEEP_STORE_BLOCK_M
+    block_ds, block_ds4, warps4 = SWEEP_DECODE_BLOCK_D[128], SWEEP_DECODE_BLOCK_D[4], SWEEP_C4_WARPS
     if DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         cases = ((PREFILL_TOKENS[0], 32),)
-        c4, c128, programs_list, block_ds, block_ms = c4[:2], c128[:2], [8], block_ds[:2], block_ms[:2]
+        c4, c128, programs_list, block_ms = c4[:2], c128[:2], [8], block_ms[:2]
+        block_ds, block_ds4, warps4 = block_ds[:2], block_ds4[:2], {d: w[:2] for d, w in warps4.items()}
     try:
         for config in CONFIGS:
             for tokens, requests in cases:
@@ -505,29 +508,38 @@ def sweep_tiles():
                     sk.BLOCK_M.update(saved[4])
                 del s, out
                 torch.cuda.empty_cache()
-        s = decode_setup("c128-main", STEP_BATCH)
-        D, bs = s["D"], STEP_BATCH
-        out = torch.empty(bs, D, device=DEV)
-        plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=DEV)
-        nbytes = compress_decode_bytes(s, bs)
-        for name, fn in (
-            ("compress_forward decode", lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out,
-                                                                    D, 128)),
-            ("fused decode step", lambda: dk.decode_step(
+        for config in CONFIGS:
+            s = decode_setup(config, STEP_BATCH)
+            r, D, bs = s["r"], s["D"], STEP_BATCH
+            out = torch.empty(bs, D, device=DEV)
+            plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=DEV)
+            nbytes = compress_decode_bytes(s, bs)
+            shape = f"{config} bs {bs} ({s['boundary']} at a boundary)"
+            unfused = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r)  # noqa: E731
+            fused = lambda: dk.decode_step(  # noqa: E731
                 s["state"], s["x"], s["ape"], s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"],
-                s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plan_buf, out, D, 128, 128, s["ring"], 0,
-                2, False, False)),
-        ):
-            group = _Sweep(f"{name} c128-main bs {bs} ({s['boundary']} at a boundary)", nbytes)
-            for block_d in block_ds:
-                ck.DECODE_BLOCK_D[128] = block_d
-                group.time(f"DECODE_BLOCK_D[128] {block_d}", fn)
-            group.best()
-            ck.DECODE_BLOCK_D.update(saved[3])
+                s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plan_buf, out, D, r, 128, s["ring"], 0,
+                256 // r, False, False)
+            # (knob, table, key, candidates, timed calls): ratio 128 pools over channel blocks in both the
+            # decode kernel and the fused step; ratio 4's fused step is one program per request
+            knobs = [("DECODE_BLOCK_D", ck.DECODE_BLOCK_D, r, block_ds if r == 128 else block_ds4,
+                      [("compress_forward decode", unfused)] + ([("fused decode step", fused)] if r == 128 else []))]
+            if r == 4:
+                knobs.append(("C4_WARPS", dk.C4_WARPS, D, warps4[D], [("fused decode step", fused)]))
+            for knob, table, key, candidates, calls in knobs:
+                for name, fn in calls:
+                    group = _Sweep(f"{name} {shape}", nbytes)
+                    for value in candidates:
+                        table[key] = value
+                        group.time(f"{knob}[{key}] {value}", fn)
+                    group.best()
+                    table.update(saved[3] if table is ck.DECODE_BLOCK_D else saved[5])
+            del s, out
     finally:
         ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS = saved[:3]
         ck.DECODE_BLOCK_D.update(saved[3])
         sk.BLOCK_M.update(saved[4])
+        dk.C4_WARPS.update(saved[5])
 
 
 def run_train(quick):

@@ -41,5 +41,6 @@ def test_tile_sweep_dry_run(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     best = [line for line in done.stdout.splitlines() if line.startswith("best ")]
     for group in ("prefill c4-main", "prefill c4-indexer", "prefill c128-main", "store c4-main", "store c4-indexer",
-                  "store c128-main", "compress_forward decode c128-main", "fused decode step c128-main"):
+                  "store c128-main", "compress_forward decode c128-main", "fused decode step c128-main",
+                  "compress_forward decode c4-main", "fused decode step c4-main", "fused decode step c4-indexer"):
         assert any(line.startswith(f"best  {group}") for line in best), f"no result for {group}:\n{done.stdout}"

@@ -136,4 +136,4 @@ def test_variant_decode_step_kernels(head_dim, flag, ratio, addressing):
                  log2_page="i32", page_bytes="i32")
     _compile(dk._decode_step_c4_kernel, dict(ptrs, **store, **lookup),
              dict(meta, FLAG=flag, SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride),
-             num_warps=8 if head_dim == 512 else 4)
+             num_warps=dk.C4_WARPS[head_dim])

@@ -112,6 +112,10 @@ if HAVE_TRITON:
                    HEAD_DIM, 128, BLOCK_D, 32)
 
 
+#: ratio 4: warps of the one program per request (it holds the whole row: D 512 or D 128 channels)
+C4_WARPS = {512: 8, 128: 4}
+
+
 def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_token, full_to_state, seq_lens,
                 norm_weight, norm_eps, freqs, out_loc, kvcache, plan, out,
                 head_dim, compress_ratio, swa_page_size, ring_size, addressing, page_size, use_fp4, bf16_store) -> None:
@@ -132,7 +136,7 @@ def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_t
             kv_score_buffer, kv_score_input, ape, req_pool_indices, seq_lens, words, out,
             norm_weight, freqs, out_loc, kvcache, bs, num_rows, *tables, *store_args,
             HEAD_DIM=head_dim, **meta, FLAG=bool(bf16_store if head_dim == 512 else use_fp4),
-            SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride, num_warps=8 if head_dim == 512 else 4,
+            SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride, num_warps=C4_WARPS[head_dim],
         )
         return
     block_d = compress_kernels._channel_block(head_dim, compress_kernels.DECODE_BLOCK_D[128])
