@@ -60,10 +60,13 @@ def sm90_driver():
         driver._active = active
 
 
-def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, max_stack: int = 0):
+def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, max_stack: int = 0,
+                 multiples_of_16: tuple = ()):
     """Compile ``fn`` for sm_90 with 16-byte aligned pointers (what a real launch specializes them to),
     check that it spills nothing and keeps at most ``max_stack`` bytes of stack frame, and report its
-    resource use (see the module docstring)."""
+    resource use (see the module docstring). ``multiples_of_16`` names integer arguments that real
+    launches pass as multiples of 16: Triton specializes those at launch too, and address arithmetic
+    built on them can then use wide accesses, so leaving them out would misreport the kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -72,7 +75,8 @@ def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, max_stac
         pytest.skip("interpreter mode: the variants are compiled in a subprocess without TRITON_INTERPRET")
     names = fn.arg_names
     signature = {name: ("constexpr" if name in constexprs else types[name]) for name in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if signature[n].startswith("*")}
+    aligned = [n for n in names if signature[n].startswith("*") or n in multiples_of_16]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
