@@ -468,9 +468,11 @@ def sweep_tiles():
     """Kernel-only timings (replayed in a CUDA graph, as the benchmark rows) of the launch parameters:
     the prefill pooling tiles (ratio 4 main and indexer, ratio 128; 4K and 16K tokens), the store's
     rows per program (prefill, 16K tokens), the decode channel blocks (compress_forward decode; for
-    ratio 128 also the fused step) and the warps of the ratio-4 fused step (batch 128). Each group
-    ends with its fastest candidate."""
-    saved = ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS, dict(ck.DECODE_BLOCK_D), dict(sk.BLOCK_M), dict(dk.C4_WARPS)
+    ratio 128 also the fused step), the warps of the ratio-4 fused step (batch 128), and the order
+    of the pooling and decode grids (``CHANNELS_FASTEST``). Each group ends with its fastest
+    candidate."""
+    saved = (ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS, dict(ck.DECODE_BLOCK_D), dict(sk.BLOCK_M), dict(dk.C4_WARPS),
+             ck.CHANNELS_FASTEST)
     cases = ((16384, 1), (16384, 32), (4096, 1))
     c4, c128, programs_list, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_PROGRAMS, SWEEP_STORE_BLOCK_M
     block_ds, block_ds4, warps4 = SWEEP_DECODE_BLOCK_D[128], SWEEP_DECODE_BLOCK_D[4], SWEEP_C4_WARPS
@@ -496,6 +498,12 @@ def sweep_tiles():
                             group.time(f"C128_TILE {tile} C128_PROGRAMS {programs}", run)
                 group.best()
                 ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS = saved[:3]
+                group = _Sweep(f"grid order, prefill {config} {tokens} tok / {requests} req", group.nbytes)
+                for fastest in (False, True):
+                    ck.CHANNELS_FASTEST = fastest
+                    group.time(f"CHANNELS_FASTEST {fastest}", run)
+                group.best()
+                ck.CHANNELS_FASTEST = saved[6]
                 if requests == 32:
                     kv, cache, fmt, freqs, w = store_setup(s, s["plan_c"].shape[0])
                     args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
@@ -534,12 +542,20 @@ def sweep_tiles():
                         group.time(f"{knob}[{key}] {value}", fn)
                     group.best()
                     table.update(saved[3] if table is ck.DECODE_BLOCK_D else saved[5])
+                    if knob == "DECODE_BLOCK_D":
+                        group = _Sweep(f"grid order, {name} {shape}", nbytes)
+                        for fastest in (False, True):
+                            ck.CHANNELS_FASTEST = fastest
+                            group.time(f"CHANNELS_FASTEST {fastest}", fn)
+                        group.best()
+                        ck.CHANNELS_FASTEST = saved[6]
             del s, out
     finally:
         ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS = saved[:3]
         ck.DECODE_BLOCK_D.update(saved[3])
         sk.BLOCK_M.update(saved[4])
         dk.C4_WARPS.update(saved[5])
+        ck.CHANNELS_FASTEST = saved[6]
 
 
 def run_train(quick):

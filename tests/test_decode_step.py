@@ -125,6 +125,14 @@ def test_kernels(case):
         assert diff.numel() == 0, f"{diff.shape[0]} cache bytes differ, first {diff[:4].tolist()}"
 
 
+def test_kernels_ratio128_channels_fastest_grid(monkeypatch):
+    """The ratio-128 pool launch in the other grid order gives the same results."""
+    from dsv4ops.compress import kernels as compress_kernels
+
+    monkeypatch.setattr(compress_kernels, "CHANNELS_FASTEST", not compress_kernels.CHANNELS_FASTEST)
+    test_kernels(CASES[4])
+
+
 @pytest.mark.parametrize("case", CASES[::2], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_opcheck(case):
     sim = _sim(case)

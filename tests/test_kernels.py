@@ -191,6 +191,15 @@ def test_compress_kernels(case):
             _close_rows(got_out.cpu(), want_out, 1e-5 if out_dtype == torch.float32 else 8e-3)
 
 
+@pytest.mark.parametrize("case", [COMPRESS_CASES[0], COMPRESS_CASES[3]],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_compress_kernels_channels_fastest_grid(case, monkeypatch):
+    """The other order of the pooling and decode grids (the channel blocks of one row block run
+    together) pools and writes exactly the same."""
+    monkeypatch.setattr(compress_kernels, "CHANNELS_FASTEST", not compress_kernels.CHANNELS_FASTEST)
+    test_compress_kernels(case)
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "extend"])
 def test_store_kernels(fmt, is_decode):

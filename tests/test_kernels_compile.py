@@ -56,22 +56,24 @@ def test_variant_store_kernel(fmt, head_dim, is_decode):
 
 @pytest.mark.parametrize("ratio,head_dim", [(4, 512), (4, 128), (128, 512), (128, 64)])
 @pytest.mark.parametrize("state,inp,out", [("fp32", "fp32", "fp32"), ("bf16", "bf16", "bf16")])
-def test_variant_compress_kernels(ratio, head_dim, state, inp, out):
+@pytest.mark.parametrize("channels_fastest", [False, True], ids=["rows-fastest", "channels-fastest"])
+def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fastest):
     ck, pk, sk = _kernels()
     ptrs = dict(state_ptr=f"*{state}", input_ptr=f"*{inp}", ape_ptr="*fp32", plan_ptr="*i32", out_ptr=f"*{out}")
     _compile(ck._decode_kernel, dict(ptrs, num_state_rows="i64"),
              dict(HEAD_DIM=head_dim, RATIO=ratio, BLOCK_D=ck._channel_block(head_dim, ck.DECODE_BLOCK_D[ratio]),
-                  BLOCK_W=8 if ratio == 4 else 32))
+                  BLOCK_W=8 if ratio == 4 else 32, CHANNELS_FASTEST=channels_fastest))
     counts = dict(ptrs, num_events="i32", num_state_rows="i64", num_inputs="i32")
     if ratio == 4:
         events, channels, warps = ck.C4_TILE
         _compile(ck._pool_c4_kernel, counts,
-                 dict(HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=ck._channel_block(head_dim, channels)), warps)
+                 dict(HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=ck._channel_block(head_dim, channels),
+                      CHANNELS_FASTEST=channels_fastest), warps)
     else:
         rows, channels, chunk, warps = ck.C128_TILE
         _compile(ck._pool_c128_kernel, dict(counts, num_programs="i32"),
-                 dict(HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=ck._channel_block(head_dim, channels), CHUNK=chunk),
-                 warps)
+                 dict(HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=ck._channel_block(head_dim, channels), CHUNK=chunk,
+                      CHANNELS_FASTEST=channels_fastest), warps)
     width = (4 if ratio == 4 else 2) * head_dim
     block_r, block_c = ck.WRITE_TILE
     _compile(ck._write_kernel,
@@ -131,7 +133,8 @@ def test_variant_decode_step_kernels(head_dim, flag, ratio, addressing):
     meta = dict(HEAD_DIM=head_dim, ADDRESSING=addressing, HAS_TABLE=addressing != 2)
     if ratio == 128:
         _compile(dk._decode_step_c128_pool_kernel, dict(ptrs, num_state_rows="i64", **lookup),
-                 dict(meta, BLOCK_D=ck._channel_block(head_dim, ck.DECODE_BLOCK_D[128])))
+                 dict(meta, BLOCK_D=ck._channel_block(head_dim, ck.DECODE_BLOCK_D[128]),
+                      CHANNELS_FASTEST=ck.CHANNELS_FASTEST))
         return
     fmt = (1 if flag else 0) if head_dim == 512 else (3 if flag else 2)
     layout = CacheLayout(CacheFormat(fmt), 64)

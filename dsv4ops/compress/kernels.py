@@ -90,6 +90,19 @@ if HAVE_TRITON:
         valid &= (buffer_len >= 128) | ((ragged - 127 + buffer_len >= 0) & (ragged < num_inputs))
         return valid
 
+    @triton.jit
+    def _grid_position(NUM_CHANNEL_BLOCKS: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):
+        """(row block, channel block) of this program in a 1-D grid of row blocks x channel blocks.
+
+        ``CHANNELS_FASTEST``: consecutive programs, which the GPU runs together, take the channel
+        blocks of one row block, so between them they read whole rows; otherwise they take the same
+        channels of consecutive row blocks."""
+        pid = tl.program_id(0)
+        if CHANNELS_FASTEST:
+            return pid // NUM_CHANNEL_BLOCKS, pid % NUM_CHANNEL_BLOCKS
+        num_row_blocks = tl.num_programs(0) // NUM_CHANNEL_BLOCKS
+        return pid % num_row_blocks, pid // num_row_blocks
+
     # ------------------------------------------------------------------ decode
     @triton.jit
     def _pool_window_tiles(scores, values, STEPS: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -174,9 +187,11 @@ if HAVE_TRITON:
     def _decode_kernel(
         state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_state_rows,
         HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
+        CHANNELS_FASTEST: tl.constexpr,
     ):
-        b = tl.program_id(0).to(tl.int64)
-        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        request, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
+        b = request.to(tl.int64)
+        d = block * BLOCK_D + tl.arange(0, BLOCK_D)
         seq_len = tl.load(plan_ptr + b * 4).to(tl.int64) & 0xFFFFFFFF
         write_loc = tl.load(plan_ptr + b * 4 + 1).to(tl.int64)
         page0 = tl.load(plan_ptr + b * 4 + 2).to(tl.int64)
@@ -188,12 +203,13 @@ if HAVE_TRITON:
     @triton.jit
     def _pool_c4_kernel(
         state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs,
-        HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
     ):
         D: tl.constexpr = HEAD_DIM
         WIDTH: tl.constexpr = 4 * HEAD_DIM
-        k = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
-        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        row_block, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
+        k = row_block.to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+        d = block * BLOCK_D + tl.arange(0, BLOCK_D)
         in_plan = k < num_events
         words = tl.load(plan_ptr + k[:, None] * 4 + tl.arange(0, 4)[None, :], mask=in_plan[:, None], other=-1)
         word0, seq_len, ragged, buffer_len, page0, page1 = _compress_plan_fields(words, in_plan)
@@ -276,10 +292,11 @@ if HAVE_TRITON:
     def _pool_c128_kernel(
         state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs, num_programs,
         HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+        CHANNELS_FASTEST: tl.constexpr,
     ):
         D: tl.constexpr = HEAD_DIM
-        g = tl.program_id(0)
-        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        g, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
+        d = block * BLOCK_D + tl.arange(0, BLOCK_D)
         out_dtype = out_ptr.dtype.element_ty
         # this program's rows are g, g + G, g + 2G, ... below num_events
         for first in range(0, tl.cdiv(num_events, num_programs), CHUNK):
@@ -339,6 +356,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     C128_PROGRAMS = 8
 #: write pass: (rows per program, columns per step)
 WRITE_TILE = (8, 1024)
+#: order of the pooling and decode grids (1-D, row blocks x channel blocks): True runs the channel
+#: blocks of one row block together (whole rows read at once), False the same channels of
+#: consecutive row blocks (the order every H200 measurement so far used)
+CHANNELS_FASTEST = False
 
 
 def _channel_block(head_dim: int, wanted: int) -> int:
@@ -357,25 +378,27 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
     words = plan.view(torch.int32)
     if write_plan is None:
         block_d = _channel_block(head_dim, DECODE_BLOCK_D[r])
-        launch(_decode_kernel)[(plan.shape[0], cdiv(head_dim, block_d))](
+        launch(_decode_kernel)[(plan.shape[0] * (head_dim // block_d),)](
             kv_score_buffer, kv_score_input, ape, words, out, num_rows,
-            HEAD_DIM=head_dim, RATIO=r, BLOCK_D=block_d, BLOCK_W=8 if r == 4 else 32, num_warps=4,
+            HEAD_DIM=head_dim, RATIO=r, BLOCK_D=block_d, BLOCK_W=8 if r == 4 else 32,
+            CHANNELS_FASTEST=CHANNELS_FASTEST, num_warps=4,
         )
         return
     num_inputs = kv_score_input.shape[0]
     if r == 4:
         events, channels, warps = C4_TILE
         channels = _channel_block(head_dim, channels)
-        launch(_pool_c4_kernel)[(cdiv(plan.shape[0], events), head_dim // channels)](
+        launch(_pool_c4_kernel)[(cdiv(plan.shape[0], events) * (head_dim // channels),)](
             kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs,
-            HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, num_warps=warps,
+            HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, CHANNELS_FASTEST=CHANNELS_FASTEST, num_warps=warps,
         )
     else:
         rows, channels, chunk, warps = C128_TILE
         channels = _channel_block(head_dim, channels)
-        launch(_pool_c128_kernel)[(C128_PROGRAMS, head_dim // channels)](
+        launch(_pool_c128_kernel)[(C128_PROGRAMS * (head_dim // channels),)](
             kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs, C128_PROGRAMS,
-            HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, num_warps=warps,
+            HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, CHANNELS_FASTEST=CHANNELS_FASTEST,
+            num_warps=warps,
         )
     block_r, block_c = WRITE_TILE
     launch(_write_kernel)[(cdiv(write_plan.shape[0], block_r),)](

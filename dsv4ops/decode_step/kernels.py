@@ -29,7 +29,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ..compress.kernels import decode_row
+    from ..compress.kernels import _grid_position, decode_row
     from ..planner.kernels import _page, _state_row
     from ..store.kernels import _store_indexer_rows, _store_main_rows, _store_rows, _store_slots
 
@@ -95,9 +95,10 @@ if HAVE_TRITON:
         state_ptr, input_ptr, ape_ptr, rpi_ptr, seq_ptr, plan_ptr, out_ptr,
         num_state_rows, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring,
         HEAD_DIM: tl.constexpr, ADDRESSING: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK_D: tl.constexpr,
+        CHANNELS_FASTEST: tl.constexpr,
     ):
-        b = tl.program_id(0).to(tl.int64)
-        block = tl.program_id(1)
+        request, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
+        b = request.to(tl.int64)
         # every channel block of request b writes the same 16 bytes of its plan row, then reads back
         # its own write (no program waits for another)
         _plan_request(b, rpi_ptr, seq_ptr, plan_ptr, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps,
@@ -140,9 +141,9 @@ def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_t
         )
         return
     block_d = compress_kernels._channel_block(head_dim, compress_kernels.DECODE_BLOCK_D[128])
-    launch(_decode_step_c128_pool_kernel)[(bs, head_dim // block_d)](
+    launch(_decode_step_c128_pool_kernel)[(bs * (head_dim // block_d),)](
         kv_score_buffer, kv_score_input, ape, req_pool_indices, seq_lens, words, out, num_rows, *tables,
-        HEAD_DIM=head_dim, **meta, BLOCK_D=block_d, num_warps=4,
+        HEAD_DIM=head_dim, **meta, BLOCK_D=block_d, CHANNELS_FASTEST=compress_kernels.CHANNELS_FASTEST, num_warps=4,
     )
     store_kernels.norm_rope_store(out, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, True, r, page_size,
                                   use_fp4, bf16_store)
