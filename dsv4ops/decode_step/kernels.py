@@ -73,16 +73,18 @@ if HAVE_TRITON:
         write_loc = tl.load(plan_ptr + b * 4 + 1).to(tl.int64)
         page0 = tl.load(plan_ptr + b * 4 + 2).to(tl.int64)
         page1 = tl.load(plan_ptr + b * 4 + 3).to(tl.int64)
+        # the cache slot is looked up before pooling, so its load is not one more step at the end of the
+        # dependent chain (plan, window, pool, store) that sets this kernel's latency
+        rows = b + tl.arange(0, 1)
+        words0 = word0 + tl.zeros([1], tl.int32)
+        live, loc_index = _store_rows(words0, words0, rows, bs, num_locs, True, 4)
+        loc = tl.load(out_loc_ptr + loc_index, mask=live, other=-1).to(tl.int64)
+        live, base, slot, pos = _store_slots(words0, loc, live, num_freq_rows, num_pages, log2_page, page_bytes, 4)
         d = tl.arange(0, HEAD_DIM)
         decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
                    HEAD_DIM, 4, HEAD_DIM, 8)
         if (seq_len % 4 == 0) & (seq_len >= 4):
             tl.debug_barrier()  # out[b], written by other threads of this program
-            rows = b + tl.arange(0, 1)
-            words0 = word0 + tl.zeros([1], tl.int32)
-            live, loc_index = _store_rows(words0, words0, rows, bs, num_locs, True, 4)
-            loc = tl.load(out_loc_ptr + loc_index, mask=live, other=-1).to(tl.int64)
-            live, base, slot, pos = _store_slots(words0, loc, live, num_freq_rows, num_pages, log2_page, page_bytes, 4)
             if HEAD_DIM == 512:
                 _store_main_rows(out_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
                                  log2_page, FLAG, SLOT_BYTES, SCALE_STRIDE)
