@@ -155,8 +155,12 @@ if HAVE_TRITON:
         slot_at = base + slot * SLOT_BYTES  # byte offset of each row's slot
         nope = live[:, None, None] & (group < 7)[None, :, None]
         if BF16:
-            at = (cache_ptr + slot_at[:, None, None] + 2 * element[None, :, :]).to(tl.pointer_type(tl.int16))
-            tl.store(at, bf16_bits(y).to(tl.int16), mask=nope)
+            # two bf16 per 32-bit word (the even element in the low half), so a thread's run of
+            # elements goes out in wide stores rather than 2 bytes at a time
+            lo, hi = tl.split(tl.reshape(bf16_bits(y), [rows.shape[0], 8, 32, 2]))
+            word = group[:, None] * 32 + pair[None, :]  # [8, 32]
+            at = (cache_ptr + slot_at[:, None, None] + 4 * word[None, :, :]).to(tl.pointer_type(tl.int32))
+            tl.store(at, lo | (hi << 16), mask=nope)
             rope_at = cache_ptr + slot_at[:, None] + 896 + 4 * pair[None, :]
         else:
             z = bf16_round(y)
