@@ -20,6 +20,7 @@ reference and over ``torch.compile`` of the reference. Rows are appended to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import time
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench
 
 import dsv4ops  # noqa: F401
 from dsv4ops._layout import CacheLayout, cache_format, state_row_width, window_len
@@ -42,6 +43,8 @@ from dsv4ops.planner.reference import plan_decode_reference, plan_prefill_refere
 from dsv4ops.store import kernels as sk
 from dsv4ops.store.reference import norm_rope_store_reference
 from dsv4ops.testing import PagedPools, fix_triton_interpreter
+
+from .timing import first_line, median_us
 
 DEV = "cuda"
 DECODE_MAX_LEN = 131072  # decode positions go up to 128K
@@ -96,13 +99,12 @@ def copy_bandwidth() -> float:
 DRY_RUN = False  # --dry-run: tiny shapes on the CPU, every timed call run once (checks the script, times nothing)
 
 
-def bench(fn, cudagraph=False, rep=150):
+def bench(fn, rep=150):
+    """Median microseconds of a dsv4ops launch replayed in a CUDA graph (``timing.median_us``)."""
     if DRY_RUN:
         fn()
         return 1.0
-    if cudagraph:
-        return do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
+    return median_us(fn, rep)
 
 
 def bench_ref(fn, rep=150):
@@ -111,27 +113,14 @@ def bench_ref(fn, rep=150):
     cannot be captured is timed with ``do_bench`` (its host launch cost included) and the run says
     so. A failure (e.g. an Inductor error compiling it) prints one line and gives NaN, so one broken
     comparison does not end the run; the dry run still raises."""
+    if DRY_RUN:
+        return bench(fn)
     try:
-        if DRY_RUN:
-            return bench(fn)
-        fn()  # compile and warm up outside the capture
-        try:
-            return bench(fn, cudagraph=True, rep=rep)
-        except Exception as e:  # noqa: BLE001 -- reported, then timed without a graph
-            torch.cuda.synchronize()
-            print(f"  reference not capturable ({type(e).__name__}: {_first_line(e)[:120]}): timed with do_bench",
-                  flush=True)
-            return bench(fn, rep=rep)
+        return median_us(fn, rep, fallback=True)
     except Exception as e:  # noqa: BLE001 -- reported, then the row goes on without this comparison
-        if DRY_RUN:
-            raise
-        print(f"  reference failed: {type(e).__name__}: {_first_line(e)[:200]}", flush=True)
+        print(f"  reference failed: {type(e).__name__}: {first_line(e)[:200]}", flush=True)
         torch._dynamo.reset()
         return float("nan")
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
 _compiled = {}
@@ -236,7 +225,7 @@ def run_prefill(quick):
 
                     row = Row("compress_forward prefill", config, shape, tokens,
                               bench(lambda: ck.compress_forward(state, s["x"], s["ape"], s["plan_c"], s["plan_w"],
-                                                                out, D, r), cudagraph=True),
+                                                                out, D, r)),
                               compress_prefill_bytes(s))
                     # the reference gathers every window of every (padded) plan row: [rows, W, width] fp32
                     if s["plan_c"].shape[0] * window_len(r) * state_row_width(D, r) * 4 <= REF_GATHER_LIMIT:
@@ -248,7 +237,7 @@ def run_prefill(quick):
                     n_live = plan_counts(s)[0]
                     args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
                     row = Row("norm_rope_store prefill", config, shape, tokens,
-                              bench(lambda: sk.norm_rope_store(*args), cudagraph=True),
+                              bench(lambda: sk.norm_rope_store(*args)),
                               store_bytes(n_live, kv.shape[0], D, fmt))
                     row.ref_eager_us = bench_ref(lambda: norm_rope_store_reference(*args))
                     row.ref_compiled_us = bench_ref(lambda: compiled(norm_rope_store_reference)(*args))
@@ -259,7 +248,7 @@ def run_prefill(quick):
                         n_c, _, n_w = plan_counts(s)
                         # lengths and ids in, the state-row lookups of every event / write, both plans out
                         nbytes = requests * 24 + (2 * n_c + n_w) * 12 + tokens * 24
-                        row = Row("plan_prefill", config, shape, tokens, bench(lambda: pk.plan_prefill(*pargs), cudagraph=True),
+                        row = Row("plan_prefill", config, shape, tokens, bench(lambda: pk.plan_prefill(*pargs)),
                                   nbytes)
                         row.ref_eager_us = bench_ref(lambda: plan_prefill_reference(*pargs))
                         row.ref_compiled_us = bench_ref(lambda: compiled(plan_prefill_reference)(*pargs))
@@ -326,8 +315,7 @@ def run_decode(quick):
                 fn(s["state"], s["x"], s["ape"], s["plan"], out, D, r)
 
             row = Row("compress_forward decode", config, shape, bs,
-                      bench(lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r),
-                            cudagraph=True),
+                      bench(lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r)),
                       compress_decode_bytes(s, bs))
             row.ref_eager_us = bench_ref(ref)
             row.ref_compiled_us = bench_ref(lambda: ref(compiled(compress_decode_reference)))
@@ -336,7 +324,7 @@ def run_decode(quick):
             args = (torch.randn(bs, D, device=DEV), s["plan"], s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"],
                     True, r, 256 // r, False, False)
             row = Row("norm_rope_store decode", config, shape, bs,
-                      bench(lambda: sk.norm_rope_store(*args), cudagraph=True),
+                      bench(lambda: sk.norm_rope_store(*args)),
                       store_bytes(s["boundary"], bs, D, s["fmt"]))
             row.ref_eager_us = bench_ref(lambda: norm_rope_store_reference(*args))
             row.ref_compiled_us = bench_ref(lambda: compiled(norm_rope_store_reference)(*args))
@@ -344,7 +332,7 @@ def run_decode(quick):
 
             if config != "c4-indexer":
                 pargs = (s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"], r, 128, s["ring"], 0)
-                row = Row("plan_decode", config, f"bs {bs}", bs, bench(lambda: pk.plan_decode(*pargs), cudagraph=True),
+                row = Row("plan_decode", config, f"bs {bs}", bs, bench(lambda: pk.plan_decode(*pargs)),
                           bs * (8 + 8 + 2 * (4 + 8) + 16))
                 row.ref_eager_us = bench_ref(lambda: plan_decode_reference(*pargs))
                 row.ref_compiled_us = bench_ref(lambda: compiled(plan_decode_reference)(*pargs))
@@ -355,7 +343,7 @@ def run_decode(quick):
                      s["seq"], s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plan_buf, out, D, r, 128,
                      s["ring"], 0, 256 // r, False, False)
             row = Row("compress_decode_step (fused)", config, shape, bs,
-                      bench(lambda: dk.decode_step(*fargs), cudagraph=True),
+                      bench(lambda: dk.decode_step(*fargs)),
                       compress_decode_bytes(s, bs) + store_bytes(s["boundary"], 0, D, s["fmt"]) + bs * 48)
             row.ref_eager_us = bench_ref(lambda: decode_step_reference(*fargs))
             row.ref_compiled_us = bench_ref(lambda: compiled(decode_step_reference)(*fargs))
@@ -375,7 +363,7 @@ def launch_floor(bs):
     sink = torch.empty(bs, dtype=torch.int32, device=DEV)
     for programs in (1, bs):
         record(Row("launch floor (empty kernel)", "-", f"{programs} programs", programs,
-                   bench(lambda: _floor_kernel[(programs,)](sink), cudagraph=True), 0))
+                   bench(lambda: _floor_kernel[(programs,)](sink)), 0))
 
 
 def whole_decode_step(bs=None):
@@ -427,11 +415,11 @@ def whole_decode_step(bs=None):
         variants.append(("whole decode step, fused, indexer on a 2nd stream", fused_two_streams))
     for name, fn in variants:
         try:
-            us = bench(fn, cudagraph=True, rep=300)
+            us = bench(fn, rep=300)
         except Exception as e:  # noqa: BLE001 -- one variant failing (e.g. its capture) costs its row only
             if DRY_RUN:
                 raise
-            print(f"  {name} failed: {type(e).__name__}: {_first_line(e)[:200]}", flush=True)
+            print(f"  {name} failed: {type(e).__name__}: {first_line(e)[:200]}", flush=True)
             torch.cuda.synchronize()
             continue
         record(Row(name, "c4+indexer+c128", f"bs {bs}", bs, us, 0))
@@ -447,21 +435,44 @@ SWEEP_C4_WARPS = {512: [8, 4, 16], 128: [4, 2, 8]}
 SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
 
 
-class _Sweep:
-    """One group of a sweep: prints every candidate's time and, at the end, the fastest."""
+@contextlib.contextmanager
+def _using(*settings):
+    """Each ``(target, key, value)``: ``target.key`` (a module constant) or ``target[key]`` (a table
+    entry) set to ``value`` for the duration, then restored."""
+    undo = []
+    try:
+        for target, key, value in settings:
+            table = isinstance(target, dict)
+            undo.append((target, key, target[key] if table else getattr(target, key)))
+            if table:
+                target[key] = value
+            else:
+                setattr(target, key, value)
+        yield
+    finally:
+        for target, key, old in reversed(undo):
+            if isinstance(target, dict):
+                target[key] = old
+            else:
+                setattr(target, key, old)
 
-    def __init__(self, name, nbytes):
-        self.name, self.nbytes, self.results = name, nbytes, []
 
-    def time(self, label, fn):
-        us = bench(fn, cudagraph=True, rep=100)
-        self.results.append((us, label))
-        print(f"sweep {self.name}: {label}: {us:8.2f} us {self.nbytes / us / 1e3:7.0f} GB/s "
-              f"{100 * self.nbytes / us / 1e3 / COPY_BW:5.1f}%", flush=True)
+def _sweep(name, nbytes, fn, candidates):
+    """Time ``fn`` under each candidate ``(label, [(target, key, value), ...])`` (see ``_using``);
+    print every time and, last, the fastest candidate."""
+    results = []
+    for label, settings in candidates:
+        with _using(*settings):
+            us = bench(fn, rep=100)
+        results.append((us, label))
+        print(f"sweep {name}: {label}: {us:8.2f} us {nbytes / us / 1e3:7.0f} GB/s "
+              f"{100 * nbytes / us / 1e3 / COPY_BW:5.1f}%", flush=True)
+    us, label = min(results)
+    print(f"best  {name}: {label}: {us:8.2f} us", flush=True)
 
-    def best(self):
-        us, label = min(self.results)
-        print(f"best  {self.name}: {label}: {us:8.2f} us", flush=True)
+
+def _grid_orders():
+    return [(f"CHANNELS_FASTEST {fastest}", [(ck, "CHANNELS_FASTEST", fastest)]) for fastest in (False, True)]
 
 
 def sweep_tiles():
@@ -471,91 +482,61 @@ def sweep_tiles():
     ratio 128 also the fused step), the warps of the ratio-4 fused step (batch 128), and the order
     of the pooling and decode grids (``CHANNELS_FASTEST``). Each group ends with its fastest
     candidate."""
-    saved = (ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS, dict(ck.DECODE_BLOCK_D), dict(sk.BLOCK_M), dict(dk.C4_WARPS),
-             ck.CHANNELS_FASTEST)
     cases = ((16384, 1), (16384, 32), (4096, 1))
     c4, c128, programs_list, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_PROGRAMS, SWEEP_STORE_BLOCK_M
-    block_ds, block_ds4, warps4 = SWEEP_DECODE_BLOCK_D[128], SWEEP_DECODE_BLOCK_D[4], SWEEP_C4_WARPS
+    block_ds, warps = SWEEP_DECODE_BLOCK_D, SWEEP_C4_WARPS
     if DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         cases = ((PREFILL_TOKENS[0], 32),)
         c4, c128, programs_list, block_ms = c4[:2], c128[:2], [8], block_ms[:2]
-        block_ds, block_ds4, warps4 = block_ds[:2], block_ds4[:2], {d: w[:2] for d, w in warps4.items()}
-    try:
-        for config in CONFIGS:
-            for tokens, requests in cases:
-                s = prefill_setup(config, tokens, requests, 0)
-                r, D = s["r"], s["D"]
-                out = torch.empty(s["plan_c"].shape[0], D, device=DEV)
-                group = _Sweep(f"prefill {config} {tokens} tok / {requests} req", compress_prefill_bytes(s))
-                run = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)  # noqa: E731
-                for tile in (c4 if r == 4 else c128):
-                    for programs in (programs_list if r == 128 else [None]):
-                        if r == 4:
-                            ck.C4_TILE = tile
-                            group.time(f"C4_TILE {tile}", run)
-                        else:
-                            ck.C128_TILE, ck.C128_PROGRAMS = tile, programs
-                            group.time(f"C128_TILE {tile} C128_PROGRAMS {programs}", run)
-                group.best()
-                ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS = saved[:3]
-                group = _Sweep(f"grid order, prefill {config} {tokens} tok / {requests} req", group.nbytes)
-                for fastest in (False, True):
-                    ck.CHANNELS_FASTEST = fastest
-                    group.time(f"CHANNELS_FASTEST {fastest}", run)
-                group.best()
-                ck.CHANNELS_FASTEST = saved[6]
-                if requests == 32:
-                    kv, cache, fmt, freqs, w = store_setup(s, s["plan_c"].shape[0])
-                    args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
-                    kind = "main" if D == 512 else "indexer"
-                    group = _Sweep(f"store {config} {tokens} tok", store_bytes(plan_counts(s)[0], kv.shape[0], D, fmt))
-                    for block_m in block_ms:
-                        sk.BLOCK_M[kind] = (block_m, saved[4][kind][1])
-                        group.time(f"BLOCK_M[{kind!r}] prefill {block_m}", lambda: sk.norm_rope_store(*args))
-                    group.best()
-                    sk.BLOCK_M.update(saved[4])
-                del s, out
-                torch.cuda.empty_cache()
-        for config in CONFIGS:
-            s = decode_setup(config, STEP_BATCH)
-            r, D, bs = s["r"], s["D"], STEP_BATCH
-            out = torch.empty(bs, D, device=DEV)
-            plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=DEV)
-            nbytes = compress_decode_bytes(s, bs)
-            shape = f"{config} bs {bs} ({s['boundary']} at a boundary)"
-            unfused = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r)  # noqa: E731
-            fused = lambda: dk.decode_step(  # noqa: E731
-                s["state"], s["x"], s["ape"], s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"],
-                s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plan_buf, out, D, r, 128, s["ring"], 0,
-                256 // r, False, False)
-            # (knob, table, key, candidates, timed calls): ratio 128 pools over channel blocks in both the
-            # decode kernel and the fused step; ratio 4's fused step is one program per request
-            knobs = [("DECODE_BLOCK_D", ck.DECODE_BLOCK_D, r, block_ds if r == 128 else block_ds4,
-                      [("compress_forward decode", unfused)] + ([("fused decode step", fused)] if r == 128 else []))]
+        block_ds, warps = ({k: v[:2] for k, v in table.items()} for table in (block_ds, warps))
+    for config in CONFIGS:
+        for tokens, requests in cases:
+            s = prefill_setup(config, tokens, requests, 0)
+            r, D = s["r"], s["D"]
+            out = torch.empty(s["plan_c"].shape[0], D, device=DEV)
+            nbytes = compress_prefill_bytes(s)
+            shape = f"{config} {tokens} tok / {requests} req"
+            run = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)  # noqa: E731
             if r == 4:
-                knobs.append(("C4_WARPS", dk.C4_WARPS, D, warps4[D], [("fused decode step", fused)]))
-            for knob, table, key, candidates, calls in knobs:
-                for name, fn in calls:
-                    group = _Sweep(f"{name} {shape}", nbytes)
-                    for value in candidates:
-                        table[key] = value
-                        group.time(f"{knob}[{key}] {value}", fn)
-                    group.best()
-                    table.update(saved[3] if table is ck.DECODE_BLOCK_D else saved[5])
-                    if knob == "DECODE_BLOCK_D":
-                        group = _Sweep(f"grid order, {name} {shape}", nbytes)
-                        for fastest in (False, True):
-                            ck.CHANNELS_FASTEST = fastest
-                            group.time(f"CHANNELS_FASTEST {fastest}", fn)
-                        group.best()
-                        ck.CHANNELS_FASTEST = saved[6]
+                tiles = [(f"C4_TILE {tile}", [(ck, "C4_TILE", tile)]) for tile in c4]
+            else:
+                tiles = [(f"C128_TILE {tile} C128_PROGRAMS {programs}",
+                          [(ck, "C128_TILE", tile), (ck, "C128_PROGRAMS", programs)])
+                         for tile in c128 for programs in programs_list]
+            _sweep(f"prefill {shape}", nbytes, run, tiles)
+            _sweep(f"grid order, prefill {shape}", nbytes, run, _grid_orders())
+            if requests == 32:
+                kv, cache, fmt, freqs, w = store_setup(s, s["plan_c"].shape[0])
+                args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
+                kind = "main" if D == 512 else "indexer"
+                decode_rows = sk.BLOCK_M[kind][1]
+                _sweep(f"store {config} {tokens} tok", store_bytes(plan_counts(s)[0], kv.shape[0], D, fmt),
+                       lambda: sk.norm_rope_store(*args),
+                       [(f"BLOCK_M[{kind!r}] prefill {m}", [(sk.BLOCK_M, kind, (m, decode_rows))]) for m in block_ms])
             del s, out
-    finally:
-        ck.C4_TILE, ck.C128_TILE, ck.C128_PROGRAMS = saved[:3]
-        ck.DECODE_BLOCK_D.update(saved[3])
-        sk.BLOCK_M.update(saved[4])
-        dk.C4_WARPS.update(saved[5])
-        ck.CHANNELS_FASTEST = saved[6]
+            torch.cuda.empty_cache()
+    for config in CONFIGS:
+        s = decode_setup(config, STEP_BATCH)
+        r, D, bs = s["r"], s["D"], STEP_BATCH
+        out = torch.empty(bs, D, device=DEV)
+        plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=DEV)
+        nbytes = compress_decode_bytes(s, bs)
+        shape = f"{config} bs {bs} ({s['boundary']} at a boundary)"
+        unfused = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r)  # noqa: E731
+        fused = lambda: dk.decode_step(  # noqa: E731
+            s["state"], s["x"], s["ape"], s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"],
+            s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plan_buf, out, D, r, 128, s["ring"], 0,
+            256 // r, False, False)
+        # ratio 128 pools over channel blocks in both the decode kernel and the fused step; ratio 4's
+        # fused step is one program per request, whose warps are swept instead
+        for name, fn in [("compress_forward decode", unfused)] + ([("fused decode step", fused)] if r == 128 else []):
+            _sweep(f"{name} {shape}", nbytes, fn,
+                   [(f"DECODE_BLOCK_D[{r}] {b}", [(ck.DECODE_BLOCK_D, r, b)]) for b in block_ds[r]])
+            _sweep(f"grid order, {name} {shape}", nbytes, fn, _grid_orders())
+        if r == 4:
+            _sweep(f"fused decode step {shape}", nbytes, fused,
+                   [(f"C4_WARPS[{D}] {w}", [(dk.C4_WARPS, D, w)]) for w in warps[D]])
+        del s, out
 
 
 def run_train(quick):

@@ -46,20 +46,12 @@ ANCHOR = "cuDNN-frontend fused kernel, B200, ratio 128, 1x8192, d 512: 33 us fwd
 
 
 def _bench(fn, quick: bool, graph: bool = True) -> float:
-    """Median microseconds of ``fn``. ``graph``: GPU time, ``fn`` replayed in a CUDA graph (autograd's
-    backward included: it is captured as ``make_graphed_callables`` captures it), so Python and
-    autograd's host work are left out; if ``fn`` cannot be captured, ``do_bench`` with a note.
-    Otherwise ``do_bench`` of the plain call, host time included when it outlasts the GPU work."""
-    from triton.testing import do_bench, do_bench_cudagraph
+    """Median microseconds of ``fn`` (``timing.median_us``): replayed in a CUDA graph (autograd's
+    backward included, captured as ``make_graphed_callables`` captures it), falling back to
+    ``do_bench`` with a note if it cannot be captured; ``graph=False``: ``do_bench`` of the plain call."""
+    from .timing import median_us
 
-    fn()  # compile and warm up outside any capture
-    if graph:
-        try:
-            return do_bench_cudagraph(fn, rep=50 if quick else 200, return_mode="median") * 1e3
-        except Exception as e:  # noqa: BLE001 -- reported, then timed without a graph
-            torch.cuda.synchronize()
-            print(f"  not capturable ({type(e).__name__}): timed with do_bench", flush=True)
-    return do_bench(fn, warmup=10 if quick else 25, rep=50 if quick else 200, return_mode="median") * 1e3  # us
+    return median_us(fn, rep=50 if quick else 200, graph=graph, fallback=True, warmup=10 if quick else 25)
 
 
 def compress_bytes(B: int, T: int, D: int, r: int, dtype: torch.dtype) -> dict:
