@@ -368,7 +368,9 @@ def launch_floor(bs):
 
 def whole_decode_step(bs=None):
     """Plans + compress + store for core c4, indexer c4 and core c128 under one CUDA graph:
-    the unfused sequence of sglang's calls (8 launches) and the fused ops (4 launches)."""
+    the unfused sequence of sglang's calls (8 launches), the fused ops (4 launches), the fused ops
+    with the indexer on a second stream, and the fused ratio-4 steps with the online ratio-128
+    compressor (plan, pool, store: 3 launches); then the launch floor."""
     bs = bs or STEP_BATCH
     parts = {name: decode_setup(name, bs, seed=1) for name in CONFIGS}
     p4, p128 = parts["c4-main"], parts["c128-main"]
@@ -396,7 +398,9 @@ def whole_decode_step(bs=None):
         for name in parts:
             step(name)
 
-    variants = [("whole decode step, unfused (8 launches)", unfused), ("whole decode step, fused (4 launches)", fused)]
+    whole = "c4+indexer+c128"
+    variants = [("whole decode step, unfused (8 launches)", whole, unfused),
+                ("whole decode step, fused (4 launches)", whole, fused)]
     if not DRY_RUN:
         side = torch.cuda.Stream()
 
@@ -412,8 +416,27 @@ def whole_decode_step(bs=None):
             main.wait_stream(side)
             step("c128-main")
 
-        variants.append(("whole decode step, fused, indexer on a 2nd stream", fused_two_streams))
-    for name, fn in variants:
+        variants.append(("whole decode step, fused, indexer on a 2nd stream", whole, fused_two_streams))
+    # sglang's other ratio-128 state (``is_online``, spec section 8): one running (max, sum, kv) row
+    # per request instead of a 128-row ring, so a chunk boundary reads one row, not 128
+    D128 = p128["D"]
+    online_state = torch.cat([torch.randn(bs, D128), torch.rand(bs, D128) + 0.5, torch.randn(bs, D128)], 1).to(DEV)
+
+    def online_c128():
+        plan = torch.ops.dsv4ops.plan_online_decode(p128["rpi"], p128["seq"], 0)
+        torch.ops.dsv4ops.compress_forward_online(online_state, p128["x"], p128["ape"], plan, None,
+                                                  kvs["c128-main"], D128)
+        torch.ops.dsv4ops.compress_norm_rope_store(kvs["c128-main"], plan, p128["weight"], 1e-6, p128["freqs"],
+                                                   p128["out_loc"], p128["cache"], True, 128, 256 // 128, False, False)
+
+    def fused_online():
+        step("c4-main")
+        step("c4-indexer")
+        online_c128()
+
+    variants += [("decode step, online (3 launches)", "c128-main online", online_c128),
+                 ("whole decode step, fused c4 + online c128 (5 launches)", "c4+indexer+c128 online", fused_online)]
+    for name, config, fn in variants:
         try:
             us = bench(fn, rep=300)
         except Exception as e:  # noqa: BLE001 -- one variant failing (e.g. its capture) costs its row only
@@ -422,7 +445,7 @@ def whole_decode_step(bs=None):
             print(f"  {name} failed: {type(e).__name__}: {first_line(e)[:200]}", flush=True)
             torch.cuda.synchronize()
             continue
-        record(Row(name, "c4+indexer+c128", f"bs {bs}", bs, us, 0))
+        record(Row(name, config, f"bs {bs}", bs, us, 0))
     launch_floor(bs)
 
 
