@@ -436,6 +436,18 @@ def whole_decode_step(bs=None):
 
     variants += [("decode step, online (3 launches)", "c128-main online", online_c128),
                  ("whole decode step, fused c4 + online c128 (5 launches)", "c4+indexer+c128 online", fused_online)]
+    if not DRY_RUN:
+        def fused_online_two_streams():
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                step("c4-indexer")
+            step("c4-main")
+            main.wait_stream(side)
+            online_c128()
+
+        variants.append(("whole decode step, fused c4 + online c128, indexer on a 2nd stream",
+                         "c4+indexer+c128 online", fused_online_two_streams))
     for name, config, fn in variants:
         try:
             us = bench(fn, rep=300)
@@ -521,7 +533,7 @@ def sweep_tiles():
             shape = f"{config} {tokens} tok / {requests} req"
             run = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)  # noqa: E731
             if r == 4:
-                tiles = [(f"C4_TILE {tile}", [(ck, "C4_TILE", tile)]) for tile in c4]
+                tiles = [(f"C4_TILE[{D}] {tile}", [(ck.C4_TILE, D, tile)]) for tile in c4]
             else:
                 tiles = [(f"C128_TILE {tile} C128_PROGRAMS {programs}",
                           [(ck, "C128_TILE", tile), (ck, "C128_PROGRAMS", programs)])

@@ -65,7 +65,7 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
                   BLOCK_W=8 if ratio == 4 else 32, CHANNELS_FASTEST=channels_fastest))
     counts = dict(ptrs, num_events="i32", num_state_rows="i64", num_inputs="i32")
     if ratio == 4:
-        events, channels, warps = ck.C4_TILE
+        events, channels, warps = ck.c4_tile(head_dim)
         _compile(ck._pool_c4_kernel, counts,
                  dict(HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=ck._channel_block(head_dim, channels),
                       CHANNELS_FASTEST=channels_fastest), warps)

@@ -293,6 +293,25 @@ def test_norm_rope_backward_many_programs(monkeypatch):
     _close(gw, want_gw, 1e-5, "grad weight")
 
 
+@needs_kernels
+@pytest.mark.parametrize("partials,size", [(1, 5), (63, 200), (64, 64), (130, 700)])
+def test_sum_partials_kernels_match_reference(partials, size):
+    """The ordered reduction of per-program partials: every column, partial counts below, at and
+    above a chunk, and workspace rows past ``partials`` (NaN here) never read."""
+    from dsv4ops.train import kernels
+
+    ws = torch.randn(partials + 3, size, generator=torch.Generator().manual_seed(partials))
+    ws[partials:] = float("nan")
+    ws = ws.to(KERNEL_DEVICE)
+    runs = []
+    for _ in range(2):
+        out = torch.full((size,), float("nan"), device=KERNEL_DEVICE)
+        kernels._sum_partials(ws, partials, out)
+        runs.append(out)
+    _close(runs[0], ws[:partials].double().sum(0).float(), 1e-5, "sum of partials")
+    assert _bits_equal(runs[0], runs[1])
+
+
 # ---------------------------------------------------------------------------
 # determinism: two backward runs, bit-identical gradients
 # ---------------------------------------------------------------------------
@@ -606,4 +625,4 @@ def test_variant_sum_partials_kernel(dtype):
     from dsv4ops.train import kernels as tk
 
     _compile(tk._sum_partials_kernel, dict(ws_ptr="*fp32", out_ptr=f"*{dtype}", num_partials="i32", size="i32"),
-             dict(BLOCK=tk.SUM_BLOCK))
+             dict(BLOCK=tk.SUM_TILE[0], CHUNK=tk.SUM_TILE[1]))

@@ -342,9 +342,14 @@ if HAVE_TRITON:
 #: decode: channels per program. Ratio 128 holds the whole 128-row window of its channels in
 #: registers (kv, score and ape tiles): at 64 channels that is 176 registers per thread on sm_90
 #: (2 programs per SM), at 32 channels 96 (5 per SM) and twice the programs per boundary request.
-DECODE_BLOCK_D = {4: 128, 128: 32}
-#: ratio-4 pooling tile: (events per program, channels per program, warps)
-C4_TILE = (16, 64, 4)
+#: H200 sweep, batch 128 (2026-12-03, fifth session): ratio 4 D 512 took 3.62 us at 256 channels,
+#: 6.35 at 128; ratio 128 10.86 us at 32, 13.66 at 64, 14.33 at 16.
+DECODE_BLOCK_D = {4: 256, 128: 32}
+#: ratio-4 pooling tile per head_dim: (events per program, channels per program, warps). H200
+#: sweep at 16K tokens: D 512 62.6 us at (8, 32, 2), 68.4 at (8, 64, 4), 80.1 at (16, 64, 4) (the
+#: tile until then); D 128 14.7 us at (8, 64, 4), 21.4 at (16, 64, 4). Other head_dims take the
+#: tile of the nearer of the two.
+C4_TILE = {512: (8, 32, 2), 128: (8, 64, 4)}
 #: ratio-128 pooling: (window rows per tile, channels per program, plan rows read per vector, warps)
 C128_TILE = (32, 32, 32, 4)
 #: ratio-128 pooling: programs along the plan rows (times the channel blocks); fixed, so no
@@ -360,6 +365,11 @@ WRITE_TILE = (8, 1024)
 #: blocks of one row block together (whole rows read at once), False the same channels of
 #: consecutive row blocks (the order every H200 measurement so far used)
 CHANNELS_FASTEST = False
+
+
+def c4_tile(head_dim: int) -> tuple:
+    """The ratio-4 pooling tile (``C4_TILE``) for ``head_dim``."""
+    return C4_TILE[512 if head_dim > 256 else 128]
 
 
 def _channel_block(head_dim: int, wanted: int) -> int:
@@ -386,7 +396,7 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
         return
     num_inputs = kv_score_input.shape[0]
     if r == 4:
-        events, channels, warps = C4_TILE
+        events, channels, warps = c4_tile(head_dim)
         channels = _channel_block(head_dim, channels)
         launch(_pool_c4_kernel)[(cdiv(plan.shape[0], events) * (head_dim // channels),)](
             kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs,

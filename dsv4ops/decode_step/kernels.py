@@ -115,8 +115,10 @@ if HAVE_TRITON:
                    HEAD_DIM, 128, BLOCK_D, 32)
 
 
-#: ratio 4: warps of the one program per request (it holds the whole row: D 512 or D 128 channels)
-C4_WARPS = {512: 8, 128: 4}
+#: ratio 4: warps of the one program per request (it holds the whole row: D 512 or D 128 channels).
+#: H200 sweep, batch 128 (2026-12-03, fifth session): D 512 4.76 us at 4 warps, 5.67 at 8, 9.34 at
+#: 16; D 128 4.68 us at 2, 5.13 at 4, 7.68 at 8.
+C4_WARPS = {512: 4, 128: 2}
 
 
 def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_token, full_to_state, seq_lens,

@@ -251,8 +251,10 @@ if HAVE_TRITON:
                                 FP4, SLOT_BYTES, SCALE_STRIDE, BLOCK_M)
 
 
-#: rows per program: (main prefill, main decode, indexer prefill, indexer decode)
-BLOCK_M = {"main": (8, 2), "indexer": (16, 4)}
+#: rows per program, per format family: (prefill, decode). H200 sweep at 16K tokens (2026-12-03,
+#: fifth session): main 7.14 us at 8 rows, 7.50 at 4, 9.35 at 16; indexer 6.01 us at 4, 6.15 at 8,
+#: 6.34 at 16 (the value until then).
+BLOCK_M = {"main": (8, 2), "indexer": (4, 4)}
 
 
 def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is_decode, compress_ratio, page_size,

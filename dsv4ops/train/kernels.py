@@ -226,17 +226,20 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ ordered reduction
     @triton.jit
-    def _sum_partials_kernel(ws_ptr, out_ptr, num_partials, size, BLOCK: tl.constexpr):
-        """``out[i] = sum_p ws[p, i]``, added in the order p = 0, 1, ... (deterministic)."""
+    def _sum_partials_kernel(ws_ptr, out_ptr, num_partials, size, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+        """``out[i] = sum_p ws[p, i]``: ``CHUNK`` partials at a time, each chunk reduced as one tile and
+        the chunks added in order p = 0, CHUNK, ..., so the order is fixed by the shapes alone
+        (deterministic). One partial per step made a 512-partial sum a chain of 512 dependent loads."""
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = i < size
         acc = tl.zeros([BLOCK], tl.float32)
-        at = ws_ptr + i
-        p = 0
-        while p < num_partials:  # a while loop: the interpreter cannot run range() over a runtime bound
-            acc += tl.load(at, mask=ok, other=0.0)
-            at += size
-            p += 1
+        p0 = 0
+        while p0 < num_partials:  # a while loop: the interpreter cannot run range() over a runtime bound
+            p = p0 + tl.arange(0, CHUNK)
+            tile = tl.load(ws_ptr + p.to(tl.int64)[:, None] * size + i[None, :],
+                           mask=(p < num_partials)[:, None] & ok[None, :], other=0.0)
+            acc += tl.sum(tile, axis=0)
+            p0 += CHUNK
         tl.store(out_ptr + i, cast_rne(acc, out_ptr.dtype.element_ty), mask=ok)
 
     # ------------------------------------------------------------------ norm_rope
@@ -334,7 +337,8 @@ if HAVE_TRITON:
 #: compress_train tiles: ratio -> (tokens per program, window rows per step, channels, warps)
 POOL_FWD_TILE = {4: (16, 8, 64, 4), 128: (1, 32, 64, 4)}
 POOL_BWD_TILE = {4: (16, 8, 64, 8), 128: (4, 16, 32, 4)}
-SUM_BLOCK = 1024
+#: partial-sum reduction: (columns per program, partials per step)
+SUM_TILE = (64, 64)
 #: norm_rope backward: aim for this many programs (each one partial of the weight gradient)
 NORM_BWD_PROGRAMS = 512
 
@@ -353,7 +357,8 @@ def _workspace(partials, *shape, device) -> torch.Tensor:
 def _sum_partials(ws: torch.Tensor, partials, out: torch.Tensor) -> None:
     """``out = ws[:partials].sum(0)`` in partial order (deterministic)."""
     size = out.numel()
-    launch(_sum_partials_kernel)[(cdiv(size, SUM_BLOCK),)](ws, out, partials, size, BLOCK=SUM_BLOCK, num_warps=4)
+    block, chunk = SUM_TILE
+    launch(_sum_partials_kernel)[(cdiv(size, block),)](ws, out, partials, size, BLOCK=block, CHUNK=chunk, num_warps=4)
 
 
 def _channels(tile: int, head_dim: int) -> int:
