@@ -5,7 +5,7 @@ imported with ``TRITON_INTERPRET`` unset, so each of those files runs its ``vari
 in a clean subprocess (``run_variants_in_subprocess``).
 
 With ``DSV4OPS_SM90_REPORT=<file>`` set, every compiled variant appends one line to that file:
-kernel, constexprs, warps, registers per thread, stack frame bytes, and how many of its
+kernel, constexprs and pointer types, warps, registers per thread, stack frame bytes, and how many of its
 global loads / stores are 128 bits wide (from the SASS). docs/performance.md quotes that table.
 """
 
@@ -82,7 +82,7 @@ def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, max_stac
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     usage = resource_usage(compiled)
     if usage is not None:
-        _report(compiled, constexprs, num_warps, usage)
+        _report(compiled, constexprs, num_warps, usage, signature)
         assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, f"{compiled.metadata.name} spills: {usage}"
         assert usage["stack"] <= max_stack, f"{compiled.metadata.name} has a stack frame: {usage}"
     return compiled
@@ -127,11 +127,14 @@ def resource_usage(compiled) -> dict | None:
     return out
 
 
-def _report(compiled, constexprs: dict, num_warps: int, usage: dict) -> None:
+def _report(compiled, constexprs: dict, num_warps: int, usage: dict, signature: dict) -> None:
     path = os.environ.get("DSV4OPS_SM90_REPORT")
     if not path:
         return
-    consts = " ".join(f"{k}={v}" for k, v in constexprs.items())
+    # the pointer element types tell apart variants with the same constexprs (fp32 / bf16 state, ...)
+    pointers = " ".join(f"{name.removesuffix('_ptr')}:{kind[1:]}" for name, kind in signature.items()
+                        if kind.startswith("*"))
+    consts = " ".join(f"{k}={v}" for k, v in constexprs.items()) + f" [{pointers}]"
     with open(path, "a") as f:
         f.write(f"| {compiled.metadata.name} | {consts} | {num_warps} | {usage['reg']} | {usage['stack']} | "
                 f"{usage['ldg128']} of {usage['ldg']} | {usage['stg128']} of {usage['stg']} |\n")
