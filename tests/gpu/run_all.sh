@@ -14,6 +14,7 @@
 #             under one CUDA graph); e.g. BENCH_ARGS="--quick" for the reduced grid, "--only sweep"
 #             for the launch-parameter sweep
 #   train     benchmarks.train --quick (training ops, forward + backward, CUDA-graph GPU times)
+# SUITE_SHARD=k/n (e.g. 1/2, then 2/2 in a second call): the suite stage runs every n-th test only.
 # <STAGE>_LIMIT=<seconds> (e.g. SUITE_LIMIT=300) stops a stage with SIGINT after that long, so
 # pytest still names every failure so far; tests/gpu/short_run.sh sets limits that fit one
 # 10-minute device call. Writes <stage>.log and summary.txt to the output dir.
@@ -42,12 +43,23 @@ for stage in ${STAGES:-gpu suite deploy memcheck}; do
       result="$(pytest_result "$out/gpu.log")" ;;
     suite)
       workers=""
-      "$py" -c "import xdist" 2>/dev/null && workers="-n ${WORKERS:-14}"
+      # one CPU thread per worker: 14 workers each running torch's default of one thread per core
+      # oversubscribe the CPUs many times over, and the CPU-parametrized tests crawl
+      "$py" -c "import xdist" 2>/dev/null && workers="-n ${WORKERS:-14}" && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
       # -rfEp names every passed test too, so a run cut by SUITE_LIMIT shows what it did not reach
       # (against the collection in suite-collected.txt)
       "$py" -m pytest -q --collect-only tests --ignore=tests/gpu --ignore=tests/test_deploy.py -p no:cacheprovider \
         > "$out/suite-collected.txt" 2>&1
-      limited suite "$py" -m pytest -q tests --ignore=tests/gpu --ignore=tests/test_deploy.py -p no:cacheprovider \
+      # SUITE_SHARD=k/n runs every n-th collected test starting at the k-th, so n device calls
+      # together run the whole suite
+      targets=(tests --ignore=tests/gpu --ignore=tests/test_deploy.py)
+      if [ -n "${SUITE_SHARD:-}" ]; then
+        grep '::' "$out/suite-collected.txt" | awk -v k="${SUITE_SHARD%/*}" -v n="${SUITE_SHARD#*/}" \
+          '(NR - 1) % n == k - 1' > "$out/suite-shard.txt"
+        mapfile -t targets < "$out/suite-shard.txt"
+        summary "suite shard $SUITE_SHARD: ${#targets[@]} tests"
+      fi
+      limited suite "$py" -m pytest -q "${targets[@]}" -p no:cacheprovider \
         -rfEp --durations=20 $workers > "$out/suite.log" 2>&1 || status=1
       result="$(pytest_result "$out/suite.log")" ;;
     deploy)
