@@ -341,7 +341,7 @@ if HAVE_TRITON:
 # ---------------------------------------------------------------------- launch parameters
 #: decode: channels per program. Ratio 128 holds the whole 128-row window of its channels in
 #: registers (kv, score and ape tiles): at 64 channels that is 176 registers per thread on sm_90
-#: (2 programs per SM), at 32 channels 96 (5 per SM) and twice the programs per boundary request.
+#: (2 programs per SM), at 32 channels 106 (4 per SM) and twice the programs per boundary request.
 #: H200 sweep, batch 128 (2026-12-03, fifth session): ratio 4 D 512 took 3.62 us at 256 channels,
 #: 6.35 at 128; ratio 128 10.86 us at 32, 13.66 at 64, 14.33 at 16.
 DECODE_BLOCK_D = {4: 256, 128: 32}

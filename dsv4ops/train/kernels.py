@@ -355,7 +355,7 @@ def _workspace(partials, *shape, device) -> torch.Tensor:
 
 
 def _sum_partials(ws: torch.Tensor, partials, out: torch.Tensor) -> None:
-    """``out = ws[:partials].sum(0)`` in partial order (deterministic)."""
+    """``out = ws[:partials].sum(0)``, added in an order fixed by the shapes (deterministic)."""
     size = out.numel()
     block, chunk = SUM_TILE
     launch(_sum_partials_kernel)[(cdiv(size, block),)](ws, out, partials, size, BLOCK=block, CHUNK=chunk, num_warps=4)
