@@ -515,8 +515,8 @@ def sweep_tiles():
     the prefill pooling tiles (ratio 4 main and indexer, ratio 128; 4K and 16K tokens), the store's
     rows per program (prefill, 16K tokens), the decode channel blocks (compress_forward decode; for
     ratio 128 also the fused step), the warps of the ratio-4 fused step (batch 128), and the order
-    of the pooling and decode grids (``CHANNELS_FASTEST``). Each group ends with its fastest
-    candidate."""
+    of the pooling and decode grids (``CHANNELS_FASTEST``), and whether ratio 128's fused step plans
+    in a launch of its own (``C128_PLAN_LAUNCH``). Each group ends with its fastest candidate."""
     cases = ((16384, 1), (16384, 32), (4096, 1))
     c4, c128, programs_list, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_PROGRAMS, SWEEP_STORE_BLOCK_M
     block_ds, warps = SWEEP_DECODE_BLOCK_D, SWEEP_C4_WARPS
@@ -571,6 +571,9 @@ def sweep_tiles():
         if r == 4:
             _sweep(f"fused decode step {shape}", nbytes, fused,
                    [(f"C4_WARPS[{D}] {w}", [(dk.C4_WARPS, D, w)]) for w in warps[D]])
+        else:  # ratio 128's fused step: plan inside the pool programs, or as a launch of its own
+            _sweep(f"plan launch, fused decode step {shape}", nbytes, fused,
+                   [(f"C128_PLAN_LAUNCH {v}", [(dk, "C128_PLAN_LAUNCH", v)]) for v in (False, True)])
         del s, out
 
 

@@ -44,5 +44,6 @@ def test_tile_sweep_dry_run(tmp_path):
     for group in ("prefill c4-main", "prefill c4-indexer", "prefill c128-main", "store c4-main", "store c4-indexer",
                   "store c128-main", "compress_forward decode c128-main", "fused decode step c128-main",
                   "compress_forward decode c4-main", "fused decode step c4-main", "fused decode step c4-indexer",
-                  "grid order, prefill c4-main", "grid order, compress_forward decode c128-main"):
+                  "grid order, prefill c4-main", "grid order, compress_forward decode c128-main",
+                  "plan launch, fused decode step c128-main"):
         assert any(line.startswith(f"best  {group}") for line in best), f"no result for {group}:\n{done.stdout}"

@@ -133,6 +133,13 @@ def test_kernels_ratio128_channels_fastest_grid(monkeypatch):
     test_kernels(CASES[4])
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c["r"] == 128], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_kernels_ratio128_plan_launch(case, monkeypatch):
+    """Ratio 128 with the plan as a launch of its own (``C128_PLAN_LAUNCH``): the same results."""
+    monkeypatch.setattr(step_kernels, "C128_PLAN_LAUNCH", not step_kernels.C128_PLAN_LAUNCH)
+    test_kernels(case)
+
+
 @pytest.mark.parametrize("case", CASES[::2], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_opcheck(case):
     sim = _sim(case)

@@ -11,7 +11,9 @@ unfused kernels (``planner.kernels._state_row``, ``compress.kernels.decode_row``
 Ratio 128: the 128-row window is too much for one program per request on the decode
 critical path, so pooling is split over channel blocks (one program per request and
 channel block, planning included) and the store is a second launch (the standalone
-store kernel, in decode mode, reading the plan the first launch wrote).
+store kernel, in decode mode, reading the plan the first launch wrote). With
+``C128_PLAN_LAUNCH`` the plan is a launch of its own and the pool is the unfused decode
+kernel (3 launches; for the tuning sweep).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from .._layout import CacheLayout, cache_format
 from .._triton import HAVE_TRITON, cdiv, launch
 from ..compress import kernels as compress_kernels
+from ..planner import kernels as planner_kernels
 from ..planner.kernels import _lookup_args
 from ..store import kernels as store_kernels
 from ..store.quant import fp32
@@ -119,6 +122,12 @@ if HAVE_TRITON:
 #: H200 sweep, batch 128 (2026-12-03, fifth session): D 512 4.76 us at 4 warps, 5.67 at 8, 9.34 at
 #: 16; D 128 4.68 us at 2, 5.13 at 4, 7.68 at 8.
 C4_WARPS = {512: 4, 128: 2}
+#: ratio 128: plan in a launch of its own (the decode planner's kernel), then pool with the
+#: unfused decode kernel, instead of every (request, channel block) program planning its request.
+#: 3 launches instead of 2. H200, batch 128 (fifth session, measured separately): the fused pool
+#: 17.5 us with its store, against plan 1.7 + pool 10.9 + store 2.9 us. Not yet timed in one
+#: graph, so off until the sweep (``--only sweep``) has compared the two.
+C128_PLAN_LAUNCH = False
 
 
 def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_token, full_to_state, seq_lens,
@@ -144,10 +153,18 @@ def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_t
             SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride, num_warps=C4_WARPS[head_dim],
         )
         return
-    block_d = compress_kernels._channel_block(head_dim, compress_kernels.DECODE_BLOCK_D[128])
-    launch(_decode_step_c128_pool_kernel)[(bs * (head_dim // block_d),)](
-        kv_score_buffer, kv_score_input, ape, req_pool_indices, seq_lens, words, out, num_rows, *tables,
-        HEAD_DIM=head_dim, **meta, BLOCK_D=block_d, CHANNELS_FASTEST=compress_kernels.CHANNELS_FASTEST, num_warps=4,
-    )
+    if C128_PLAN_LAUNCH:
+        launch(planner_kernels._plan_decode_kernel)[(cdiv(bs, planner_kernels.DECODE_BLOCK),)](
+            req_pool_indices, seq_lens, words, bs, *tables, RATIO=r, **meta, BLOCK=planner_kernels.DECODE_BLOCK,
+            num_warps=4,
+        )
+        compress_kernels.compress_forward(kv_score_buffer, kv_score_input, ape, plan, None, out, head_dim, r)
+    else:
+        block_d = compress_kernels._channel_block(head_dim, compress_kernels.DECODE_BLOCK_D[128])
+        launch(_decode_step_c128_pool_kernel)[(bs * (head_dim // block_d),)](
+            kv_score_buffer, kv_score_input, ape, req_pool_indices, seq_lens, words, out, num_rows, *tables,
+            HEAD_DIM=head_dim, **meta, BLOCK_D=block_d, CHANNELS_FASTEST=compress_kernels.CHANNELS_FASTEST,
+            num_warps=4,
+        )
     store_kernels.norm_rope_store(out, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, True, r, page_size,
                                   use_fp4, bf16_store)
