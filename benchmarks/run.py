@@ -20,9 +20,9 @@ reference and over ``torch.compile`` of the reference. Rows are appended to
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -461,120 +461,11 @@ def whole_decode_step(bs=None):
     launch_floor(bs)
 
 
-# ---------------------------------------------------------------------- tile sweeps
-SWEEP_C4 = [(16, 64, 4), (8, 64, 4), (8, 128, 4), (8, 64, 2), (4, 128, 4), (16, 64, 8), (32, 64, 8), (8, 32, 2)]
-SWEEP_C128 = [(32, 32, 32, 4), (32, 64, 32, 8), (16, 32, 32, 2), (32, 32, 32, 8), (64, 32, 32, 8), (32, 16, 32, 4)]
-SWEEP_C128_PROGRAMS = [128, 256, 512]
-SWEEP_DECODE_BLOCK_D = {128: [32, 64, 16], 4: [128, 64, 256]}
-SWEEP_C4_WARPS = {512: [8, 4, 16], 128: [4, 2, 8]}
-SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
+def _sweep_tiles():
+    from benchmarks import sweep
 
-
-@contextlib.contextmanager
-def _using(*settings):
-    """Each ``(target, key, value)``: ``target.key`` (a module constant) or ``target[key]`` (a table
-    entry) set to ``value`` for the duration, then restored."""
-    undo = []
-    try:
-        for target, key, value in settings:
-            table = isinstance(target, dict)
-            undo.append((target, key, target[key] if table else getattr(target, key)))
-            if table:
-                target[key] = value
-            else:
-                setattr(target, key, value)
-        yield
-    finally:
-        for target, key, old in reversed(undo):
-            if isinstance(target, dict):
-                target[key] = old
-            else:
-                setattr(target, key, old)
-
-
-def _sweep(name, nbytes, fn, candidates):
-    """Time ``fn`` under each candidate ``(label, [(target, key, value), ...])`` (see ``_using``);
-    print every time and, last, the fastest candidate."""
-    results = []
-    for label, settings in candidates:
-        with _using(*settings):
-            us = bench(fn, rep=100)
-        results.append((us, label))
-        print(f"sweep {name}: {label}: {us:8.2f} us {nbytes / us / 1e3:7.0f} GB/s "
-              f"{100 * nbytes / us / 1e3 / COPY_BW:5.1f}%", flush=True)
-    us, label = min(results)
-    print(f"best  {name}: {label}: {us:8.2f} us", flush=True)
-
-
-def _grid_orders():
-    return [(f"CHANNELS_FASTEST {fastest}", [(ck, "CHANNELS_FASTEST", fastest)]) for fastest in (False, True)]
-
-
-def sweep_tiles():
-    """Kernel-only timings (replayed in a CUDA graph, as the benchmark rows) of the launch parameters:
-    the prefill pooling tiles (ratio 4 main and indexer, ratio 128; 4K and 16K tokens), the store's
-    rows per program (prefill, 16K tokens), the decode channel blocks (compress_forward decode; for
-    ratio 128 also the fused step), the warps of the ratio-4 fused step (batch 128), and the order
-    of the pooling and decode grids (``CHANNELS_FASTEST``), and whether ratio 128's fused step plans
-    in a launch of its own (``C128_PLAN_LAUNCH``). Each group ends with its fastest candidate."""
-    cases = ((16384, 1), (16384, 32), (4096, 1))
-    c4, c128, programs_list, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_PROGRAMS, SWEEP_STORE_BLOCK_M
-    block_ds, warps = SWEEP_DECODE_BLOCK_D, SWEEP_C4_WARPS
-    if DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
-        cases = ((PREFILL_TOKENS[0], 32),)
-        c4, c128, programs_list, block_ms = c4[:2], c128[:2], [8], block_ms[:2]
-        block_ds, warps = ({k: v[:2] for k, v in table.items()} for table in (block_ds, warps))
-    for config in CONFIGS:
-        for tokens, requests in cases:
-            s = prefill_setup(config, tokens, requests, 0)
-            r, D = s["r"], s["D"]
-            out = torch.empty(s["plan_c"].shape[0], D, device=DEV)
-            nbytes = compress_prefill_bytes(s)
-            shape = f"{config} {tokens} tok / {requests} req"
-            run = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)  # noqa: E731
-            if r == 4:
-                tiles = [(f"C4_TILE[{D}] {tile}", [(ck.C4_TILE, D, tile)]) for tile in c4]
-            else:
-                tiles = [(f"C128_TILE {tile} C128_PROGRAMS {programs}",
-                          [(ck, "C128_TILE", tile), (ck, "C128_PROGRAMS", programs)])
-                         for tile in c128 for programs in programs_list]
-            _sweep(f"prefill {shape}", nbytes, run, tiles)
-            _sweep(f"grid order, prefill {shape}", nbytes, run, _grid_orders())
-            if requests == 32:
-                kv, cache, fmt, freqs, w = store_setup(s, s["plan_c"].shape[0])
-                args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
-                kind = "main" if D == 512 else "indexer"
-                decode_rows = sk.BLOCK_M[kind][1]
-                _sweep(f"store {config} {tokens} tok", store_bytes(plan_counts(s)[0], kv.shape[0], D, fmt),
-                       lambda: sk.norm_rope_store(*args),
-                       [(f"BLOCK_M[{kind!r}] prefill {m}", [(sk.BLOCK_M, kind, (m, decode_rows))]) for m in block_ms])
-            del s, out
-            torch.cuda.empty_cache()
-    for config in CONFIGS:
-        s = decode_setup(config, STEP_BATCH)
-        r, D, bs = s["r"], s["D"], STEP_BATCH
-        out = torch.empty(bs, D, device=DEV)
-        plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=DEV)
-        nbytes = compress_decode_bytes(s, bs)
-        shape = f"{config} bs {bs} ({s['boundary']} at a boundary)"
-        unfused = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r)  # noqa: E731
-        fused = lambda: dk.decode_step(  # noqa: E731
-            s["state"], s["x"], s["ape"], s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"],
-            s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plan_buf, out, D, r, 128, s["ring"], 0,
-            256 // r, False, False)
-        # ratio 128 pools over channel blocks in both the decode kernel and the fused step; ratio 4's
-        # fused step is one program per request, whose warps are swept instead
-        for name, fn in [("compress_forward decode", unfused)] + ([("fused decode step", fused)] if r == 128 else []):
-            _sweep(f"{name} {shape}", nbytes, fn,
-                   [(f"DECODE_BLOCK_D[{r}] {b}", [(ck.DECODE_BLOCK_D, r, b)]) for b in block_ds[r]])
-            _sweep(f"grid order, {name} {shape}", nbytes, fn, _grid_orders())
-        if r == 4:
-            _sweep(f"fused decode step {shape}", nbytes, fused,
-                   [(f"C4_WARPS[{D}] {w}", [(dk.C4_WARPS, D, w)]) for w in warps[D]])
-        else:  # ratio 128's fused step: plan inside the pool programs, or as a launch of its own
-            _sweep(f"plan launch, fused decode step {shape}", nbytes, fused,
-                   [(f"C128_PLAN_LAUNCH {v}", [(dk, "C128_PLAN_LAUNCH", v)]) for v in (False, True)])
-        del s, out
+    # this module as it runs (``__main__`` under ``python -m``): its settings (DRY_RUN, COPY_BW, ...)
+    sweep.sweep_tiles(sys.modules[__name__])
 
 
 def run_train(quick):
@@ -673,7 +564,7 @@ def main(argv=None):
           f"D2D copy {COPY_BW:.0f} GB/s (read + write)", flush=True)
     only = set(args.only or (["step", "prefill", "decode"] if DRY_RUN else ["step", "prefill", "decode", "train"]))
     t0 = time.time()
-    for name, fn in (("sweep", sweep_tiles), ("step", whole_decode_step), ("prefill", lambda: run_prefill(args.quick)),
+    for name, fn in (("sweep", _sweep_tiles), ("step", whole_decode_step), ("prefill", lambda: run_prefill(args.quick)),
                      ("decode", lambda: run_decode(args.quick)), ("train", lambda: run_train(args.quick))):
         if name in only:
             fn()
