@@ -71,7 +71,7 @@ for stage in ${STAGES:-gpu suite deploy memcheck}; do
       fi
       limited memcheck compute-sanitizer --tool memcheck --error-exitcode 1 --log-file "$out/memcheck.log" \
         "$py" -m pytest -q tests/test_kernels.py tests/test_decode_step.py tests/test_online.py tests/test_train.py \
-        -k "kernels and not compile and not variant" -p no:cacheprovider > "$out/memcheck-pytest.log" 2>&1 || status=1
+        -k "kernels and not compile and not variant" -p no:cacheprovider -rfEp > "$out/memcheck-pytest.log" 2>&1 || status=1
       result="$(grep -h 'ERROR SUMMARY' "$out/memcheck.log" | tail -1); $(pytest_result "$out/memcheck-pytest.log")" ;;
     bench)
       limited bench "$py" -m benchmarks.run ${BENCH_ARGS:---quick --only step} --out "$out/bench" > "$out/bench.log" 2>&1 \
