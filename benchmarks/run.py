@@ -271,8 +271,9 @@ def compact_swa(pools: PagedPools, swa_pages_per_request: int = 4) -> int:
     return pools.max_requests * swa_pages_per_request
 
 
-def decode_setup(config, bs, seed=0, boundary_fraction=0.25):
-    """bs requests at positions up to 128K; about a quarter of them complete a chunk this step."""
+def decode_setup(config, bs, seed=0, boundary_fraction=0.25, boundaries=None):
+    """bs requests at positions up to 128K; about a quarter of them complete a chunk this step (about
+    ``boundary_fraction`` of them; exactly the first ``boundaries`` when that is given)."""
     r, D, ring = CONFIGS[config]
     g = torch.Generator().manual_seed(seed)
     pools = PagedPools(max_requests=bs, max_seq_len=DECODE_MAX_LEN, swa_page_size=128, full_page_size=256, seed=seed,
@@ -280,7 +281,10 @@ def decode_setup(config, bs, seed=0, boundary_fraction=0.25):
     swa_pages = compact_swa(pools)
     seq = torch.randint(1, DECODE_MAX_LEN // r - 1, (bs,), generator=g) * r
     off = torch.randint(1, r, (bs,), generator=g)
-    seq = torch.where(torch.rand(bs, generator=g) < boundary_fraction, seq, seq - off)
+    at_boundary = torch.rand(bs, generator=g) < boundary_fraction
+    if boundaries is not None:
+        at_boundary = torch.arange(bs) < boundaries
+    seq = torch.where(at_boundary, seq, seq - off)
     width = state_row_width(D, r)
     state = torch.randn(swa_pages * ring, width, device=DEV)
     rpi = torch.arange(bs, device=DEV)
@@ -367,13 +371,19 @@ def launch_floor(bs):
 
 
 def whole_decode_step(bs=None):
-    """Plans + compress + store for core c4, indexer c4 and core c128 under one CUDA graph:
-    the unfused sequence of sglang's calls (8 launches), the fused ops (4 launches), the fused ops
-    with the indexer on a second stream, and the fused ratio-4 steps with the online ratio-128
-    compressor (plan, pool, store: 3 launches); then the launch floor."""
+    """Plans + compress + store for core c4, indexer c4 and core c128 under one CUDA graph, then the
+    launch floor. Variants: sglang's unfused calls (8 launches); the fused ops (one
+    ``compress_decode_step`` per compressor); the two ratio-4 compressors of a layer on two streams
+    (they are independent, so a serving stack can overlap them; captured, the graph has two
+    branches); and three ratio-128 setups after them (it belongs to another layer): the 128-row ring
+    with a quarter of the rows at a chunk boundary (the decode grid's mix), the ring with 1 in 128
+    rows at a boundary (what a serving step sees at ratio 128), and sglang's online state
+    (``is_online``, spec section 8: one running (max, sum, kv) row per request, so a boundary reads
+    one row, not 128; plan, pool and store: 3 launches)."""
     bs = bs or STEP_BATCH
     parts = {name: decode_setup(name, bs, seed=1) for name in CONFIGS}
     p4, p128 = parts["c4-main"], parts["c128-main"]
+    rare = decode_setup("c128-main", bs, seed=1, boundaries=max(1, bs // 128))
     kvs = {name: torch.empty(bs, s["D"], device=DEV) for name, s in parts.items()}
     plans = {name: torch.empty(bs, 16, dtype=torch.uint8, device=DEV) for name in parts}
 
@@ -388,37 +398,26 @@ def whole_decode_step(bs=None):
             torch.ops.dsv4ops.compress_norm_rope_store(kvs[name], plan, s["weight"], 1e-6, s["freqs"], s["out_loc"],
                                                        s["cache"], True, s["r"], 256 // s["r"], False, False)
 
-    def step(name):
-        s = parts[name]
+    def step(name, s=None):
+        s = s or parts[name]
         dk.decode_step(s["state"], s["x"], s["ape"], s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state,
                        s["seq"], s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plans[name], kvs[name],
                        s["D"], s["r"], 128, s["ring"], 0, 256 // s["r"], False, False)
 
-    def fused():
-        for name in parts:
-            step(name)
+    side = None if DRY_RUN else torch.cuda.Stream()
 
-    whole = "c4+indexer+c128"
-    variants = [("whole decode step, unfused (8 launches)", whole, unfused),
-                ("whole decode step, fused (4 launches)", whole, fused)]
-    if not DRY_RUN:
-        side = torch.cuda.Stream()
-
-        def fused_two_streams():
-            """``fused`` with the indexer's step on a second stream. Within one DeepSeek-V4 layer the core
-            and indexer compressors are independent, so a serving stack can overlap them; captured, the
-            graph has two branches. (The ratio-128 compressor belongs to another layer: it stays after.)"""
-            main = torch.cuda.current_stream()
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                step("c4-indexer")
+    def ratio4_pair(two_streams):
+        if not two_streams:
             step("c4-main")
-            main.wait_stream(side)
-            step("c128-main")
+            step("c4-indexer")
+            return
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            step("c4-indexer")
+        step("c4-main")
+        main.wait_stream(side)
 
-        variants.append(("whole decode step, fused, indexer on a 2nd stream", whole, fused_two_streams))
-    # sglang's other ratio-128 state (``is_online``, spec section 8): one running (max, sum, kv) row
-    # per request instead of a 128-row ring, so a chunk boundary reads one row, not 128
     D128 = p128["D"]
     online_state = torch.cat([torch.randn(bs, D128), torch.rand(bs, D128) + 0.5, torch.randn(bs, D128)], 1).to(DEV)
 
@@ -429,25 +428,17 @@ def whole_decode_step(bs=None):
         torch.ops.dsv4ops.compress_norm_rope_store(kvs["c128-main"], plan, p128["weight"], 1e-6, p128["freqs"],
                                                    p128["out_loc"], p128["cache"], True, 128, 256 // 128, False, False)
 
-    def fused_online():
-        step("c4-main")
-        step("c4-indexer")
-        online_c128()
-
-    variants += [("decode step, online (3 launches)", "c128-main online", online_c128),
-                 ("whole decode step, fused c4 + online c128 (5 launches)", "c4+indexer+c128 online", fused_online)]
-    if not DRY_RUN:
-        def fused_online_two_streams():
-            main = torch.cuda.current_stream()
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                step("c4-indexer")
-            step("c4-main")
-            main.wait_stream(side)
-            online_c128()
-
-        variants.append(("whole decode step, fused c4 + online c128, indexer on a 2nd stream",
-                         "c4+indexer+c128 online", fused_online_two_streams))
+    ratio128 = {  # name, config column, launch
+        "ring": ("c4+indexer+c128", lambda: step("c128-main")),
+        f"ring, {rare['boundary']} of {bs} at a boundary": ("c4+indexer+c128 rare", lambda: step("c128-main", rare)),
+        "online": ("c4+indexer+c128 online", online_c128),
+    }
+    variants = [("whole decode step, unfused (8 launches)", "c4+indexer+c128", unfused)]
+    for kind, (config, run128) in ratio128.items():
+        for two_streams in (False,) if DRY_RUN else (False, True):
+            name = f"whole decode step, fused, c128 {kind}" + (", indexer on a 2nd stream" if two_streams else "")
+            variants.append((name, config, lambda two=two_streams, run128=run128: (ratio4_pair(two), run128())))
+    variants.append(("decode step, c128 online alone (3 launches)", "c128-main online", online_c128))
     for name, config, fn in variants:
         try:
             us = bench(fn, rep=300)
