@@ -65,6 +65,12 @@ class DeepSeekV4Compressor(nn.Module):
     ``[cache_pages, page_bytes]`` uint8 (the paged compressed cache), ``freqs``
     ``[max_positions, 64]``. Both ``state`` and ``kvcache`` are updated in place by
     ``forward``.
+
+    ``online=True`` (ratio 128 only; sglang's ``SGLANG_OPT_USE_ONLINE_COMPRESS``) keeps one
+    running-softmax row per request instead of the ring: ``state`` is ``[state_rows, 3*head_dim]``
+    fp32 (``max | sum | kv``), row ``req_pool_indices[b]`` for request ``b``, so ``state_rows``
+    is the number of request slots. A decode step then reads one state row, not a 128-row
+    window (docs/online.md). The compressed tokens are the same up to float rounding.
     """
 
     def __init__(
@@ -86,9 +92,15 @@ class DeepSeekV4Compressor(nn.Module):
         max_positions: int = 65536,
         rope_theta: float = 160000.0,
         fused_decode: bool = True,
+        online: bool = False,
         device: Optional[torch.device] = None,
     ):
         super().__init__()
+        if online and (compress_ratio != 128 or state_dtype != torch.float32):
+            raise ValueError("dsv4ops.DeepSeekV4Compressor: `online=True` needs compress_ratio=128 and a float32 state, "
+                             f"got compress_ratio={compress_ratio}, state_dtype={state_dtype}")
+        #: the online ratio-128 state (one running-softmax row per request) instead of the ring
+        self.online = online
         #: decode steps without a shared plan run as one ``compress_decode_step`` op
         self.fused_decode = fused_decode
         self.head_dim = head_dim
@@ -110,12 +122,18 @@ class DeepSeekV4Compressor(nn.Module):
         self.ape = nn.Parameter(torch.randn(window_len(compress_ratio), head_dim, **factory) * 0.5)
         self.norm_weight = nn.Parameter(1 + 0.1 * torch.randn(head_dim, **factory))
         self.register_buffer("freqs", rope_freqs_table(max_positions, theta=rope_theta).to(device))
-        self.register_buffer("state", torch.zeros(state_rows, width, device=device, dtype=state_dtype))
+        state_width = 3 * head_dim if online else width
+        self.register_buffer("state", torch.zeros(state_rows, state_width, device=device, dtype=state_dtype))
         layout = CacheLayout(cache_format(head_dim, use_fp4, bf16_store), cache_page_size)
         self.register_buffer("kvcache", torch.zeros(cache_pages, layout.page_bytes, device=device, dtype=torch.uint8))
 
     def plan(self, req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, num_q_tokens):
         r = self.compress_ratio
+        if self.online:
+            if extend_lens is None:
+                return CompressorDecodePlan.generate_online(seq_lens, req_pool_indices)
+            return CompressorPrefillPlan.generate_online(seq_lens, extend_lens, req_pool_indices,
+                                                         num_q_tokens=num_q_tokens)
         if extend_lens is None:
             return CompressorDecodePlan.generate(
                 r, req_pool_indices, req_to_token, full_to_state, seq_lens, self.swa_page_size, self.ring_size,
@@ -142,11 +160,12 @@ class DeepSeekV4Compressor(nn.Module):
         ``hidden_states`` ``[num_q_tokens, hidden]``; ``out_loc`` ``[num_q_tokens]`` cache slot
         of every token that completes a chunk. ``plan`` may be passed in when several
         compressors of the same ratio share it (sglang plans once per ratio per forward).
-        Without a plan, a decode step is one fused op (``fused_decode``, default on).
+        Without a plan, a decode step is one fused op (``fused_decode``, default on; not for
+        the online state, whose decode step is plan, compress and store).
         Returns the pooled rows (before norm) ``[rows, head_dim]``.
         """
         kv_score = self.wkv_gate(hidden_states.float())
-        if extend_lens is None and plan is None and self.fused_decode:
+        if extend_lens is None and plan is None and self.fused_decode and not self.online:
             _, pooled = compress_decode_step(
                 self.state, kv_score, self.ape, req_pool_indices=req_pool_indices, req_to_token=req_to_token,
                 full_to_state=full_to_state, seq_lens=seq_lens, swa_page_size=self.swa_page_size,
@@ -159,7 +178,8 @@ class DeepSeekV4Compressor(nn.Module):
         if plan is None:
             plan = self.plan(req_pool_indices, seq_lens, extend_lens, req_to_token, full_to_state, hidden_states.shape[0])
         pooled = compress_forward(
-            self.state, kv_score, self.ape, plan, head_dim=self.head_dim, compress_ratio=self.compress_ratio
+            self.state, kv_score, self.ape, plan, head_dim=self.head_dim, compress_ratio=self.compress_ratio,
+            is_online=self.online,
         )
         compress_norm_rope_store(
             pooled, plan, norm_weight=self.norm_weight, norm_eps=self.norm_eps, freq_cis=self.freqs,

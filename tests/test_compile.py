@@ -123,8 +123,10 @@ def _step_args(pools, batch, r, gen):
 
 
 def _assert_same_state(a: DeepSeekV4Compressor, b: DeepSeekV4Compressor, locs: torch.Tensor):
-    # the state holds copies only: bit-exact, NaN poison included
-    assert_same_bits(a.state, b.state, "state")
+    if a.online:  # running (max, sum, kv) rows are computed: eager and Inductor may differ in the last ulp
+        torch.testing.assert_close(a.state, b.state, rtol=1e-5, atol=1e-6, equal_nan=True)
+    else:  # the ring holds copies only: bit-exact, NaN poison included
+        assert_same_bits(a.state, b.state, "state")
     # the cache is computed from pooled rows that may differ in the last ulp between eager and Inductor
     layout = CacheLayout(cache_format(a.head_dim, a.use_fp4, a.bf16_store), a.cache_page_size)
     assert_caches_equivalent(a.kvcache, b.kvcache, locs, layout)
@@ -135,6 +137,7 @@ def _assert_same_state(a: DeepSeekV4Compressor, b: DeepSeekV4Compressor, locs: t
     [
         (4, 128, {}),
         (128, 512, {}),
+        (128, 512, {"online": True}),
         pytest.param(4, 128, {"use_fp4": True}, marks=pytest.mark.slow),
         pytest.param(4, 512, {"bf16_store": True}, marks=pytest.mark.slow),
     ],

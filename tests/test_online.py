@@ -121,6 +121,52 @@ def test_online_matches_offline_ratio_128():
         torch.testing.assert_close(row, offline[(r, n)], rtol=2e-5, atol=2e-5)
 
 
+def test_online_layer_matches_offline_layer(device):
+    """``DeepSeekV4Compressor(online=True)`` emits the offline layer's compressed tokens (same weights):
+    chunked prefill ending inside, exactly at and past chunk ends, then decode steps across chunk
+    ends; the pooled rows agree to float rounding and the caches hold the same tokens."""
+    from _asserts import assert_caches_equivalent
+
+    from dsv4ops._layout import CacheLayout, cache_format
+    from dsv4ops.layer import DeepSeekV4Compressor
+    from dsv4ops.testing import PagedPools, make_batch
+
+    hidden, head_dim = 64, 512
+    pools = PagedPools(max_requests=4, max_seq_len=1024, swa_page_size=128, full_page_size=256, device=device)
+    common = dict(cache_pages=pools.cache_pages(), cache_page_size=2, swa_page_size=128, max_positions=1024,
+                  device=device)
+    offline = DeepSeekV4Compressor(hidden, head_dim, 128, state_rows=pools.state_rows(128, 128), **common)
+    online = DeepSeekV4Compressor(hidden, head_dim, 128, state_rows=4, online=True, **common)
+    with torch.no_grad():
+        for name in ("wkv_gate.weight", "ape", "norm_weight"):
+            online.get_parameter(name).copy_(offline.get_parameter(name))
+    for layer in (offline, online):
+        layer.state.fill_(float("nan"))  # nothing may read a row no step wrote
+    gen = torch.Generator().manual_seed(0)
+    seq, written = {}, []
+    # request 0 ends a prefill exactly at a chunk end; the second prefill leaves every request one or
+    # two tokens before a chunk end, so the decode steps cross one
+    steps = [([(0, 128), (1, 150), (2, 40), (3, 300)], False), ([(0, 127), (1, 233), (2, 86), (3, 210)], False)]
+    steps += [([(r, 1) for r in range(4)], True)] * 3
+    emitted = 0
+    for requests, decode in steps:
+        batch = make_batch(requests, seq, decode=decode, device=device)
+        x = torch.randn(batch.num_q_tokens, hidden, generator=gen).to(device)
+        out_loc = pools.out_loc([a for a, _ in batch.rows], [b for _, b in batch.rows], 128)
+        args = (x, batch.req_pool_indices, batch.seq_lens, batch.extend_lens, pools.req_to_token,
+                pools.full_to_state, out_loc)
+        want, got = offline(*args), online(*args)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+        emitted += int((want != 0).any(dim=1).sum())
+        written.append(out_loc)
+        for rid, pos in batch.rows:
+            seq[rid] = pos + 1
+    assert emitted == 4 + 2 + 4  # chunk ends reached: first prefill 128 (r0, r1), 128 and 256 (r3); second
+    # prefill 256 (r1), 384 (r3); decode 256 (r0), 384 (r1), 128 (r2), 512 (r3)
+    layout = CacheLayout(cache_format(head_dim, False, False), 2)
+    assert_caches_equivalent(offline.kvcache, online.kvcache, torch.cat(written), layout)
+
+
 def test_online_plan_rows():
     p = CompressorPrefillPlan.generate_online(torch.tensor([300, 70]), torch.tensor([170, 70]), torch.tensor([0, 1]),
                                               num_q_tokens=245)
