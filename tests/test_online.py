@@ -167,6 +167,16 @@ def test_online_layer_matches_offline_layer(device):
     assert_caches_equivalent(offline.kvcache, online.kvcache, torch.cat(written), layout)
 
 
+def test_online_layer_errors():
+    from dsv4ops.layer import DeepSeekV4Compressor
+
+    common = dict(state_rows=4, cache_pages=2, swa_page_size=128, max_positions=256)
+    with pytest.raises(ValueError, match="`online=True` needs compress_ratio=128"):
+        DeepSeekV4Compressor(64, 512, 4, cache_page_size=64, online=True, **common)
+    with pytest.raises(ValueError, match="float32 state"):
+        DeepSeekV4Compressor(64, 512, 128, cache_page_size=2, online=True, state_dtype=torch.bfloat16, **common)
+
+
 def test_online_plan_rows():
     p = CompressorPrefillPlan.generate_online(torch.tensor([300, 70]), torch.tensor([170, 70]), torch.tensor([0, 1]),
                                               num_q_tokens=245)
