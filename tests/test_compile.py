@@ -186,10 +186,11 @@ class _DecodeStep(_PrefillStep):
         return self.layer(hidden, req_pool_indices, seq_lens, None, req_to_token, full_to_state, out_loc)
 
 
-@pytest.mark.parametrize("r,D", [(4, 128), (128, 512)])
-def test_export_save_load_run(tmp_path, r, D):
+@pytest.mark.parametrize("r,D,kw", [(4, 128, {}), (128, 512, {}), (128, 512, {"online": True})],
+                         ids=["r4-D128", "r128-D512", "r128-D512-online"])
+def test_export_save_load_run(tmp_path, r, D, kw):
     gen = torch.Generator().manual_seed(1)
-    layer, pools = _layer_and_pools(r, D)
+    layer, pools = _layer_and_pools(r, D, **kw)
     tokens, batch_dim = Dim("tokens", min=0, max=65535), Dim("batch", min=0, max=1024)
     seq = {}
     example = make_batch([(i, 9 + i) for i in range(3)], {}, decode=False)
