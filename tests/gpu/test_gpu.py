@@ -74,9 +74,11 @@ def _args(pools, batch, r, gen):
             None if batch.extend_lens is None else batch.extend_lens.cuda(), pools.req_to_token, pools.full_to_state, out_loc)
 
 
-@pytest.mark.parametrize("r,D,fused", [(128, 512, True), (4, 512, True), (4, 128, True), (4, 512, False),
-                                       (128, 512, False)])
-def test_reduce_overhead_decode_loop_matches_eager(r, D, fused):
+@pytest.mark.parametrize("r,D,kw", [(128, 512, {}), (4, 512, {}), (4, 128, {}), (4, 512, {"fused_decode": False}),
+                                    (128, 512, {"fused_decode": False}), (128, 512, {"online": True})],
+                         ids=["r128-D512", "r4-D512", "r4-D128", "r4-D512-unfused", "r128-D512-unfused",
+                              "r128-D512-online"])
+def test_reduce_overhead_decode_loop_matches_eager(r, D, kw):
     """CUDA graphs capture the whole compiled step (plans included); 300 decode steps cross
     several ratio-128 boundaries and agree with eager."""
     from torch._dynamo.utils import counters
@@ -85,7 +87,7 @@ def test_reduce_overhead_decode_loop_matches_eager(r, D, fused):
     gen = torch.Generator().manual_seed(0)
     bs = 8
     pools = PagedPools(max_requests=bs, max_seq_len=1024, swa_page_size=128, full_page_size=256, device="cuda")
-    eager = _layer(r, D, pools, 1024, fused_decode=fused)
+    eager = _layer(r, D, pools, 1024, **kw)
     graphed = copy.deepcopy(eager)
     prefill = torch.compile(graphed, fullgraph=True)
     decode = torch.compile(graphed, mode="reduce-overhead", fullgraph=True)
@@ -107,7 +109,10 @@ def test_reduce_overhead_decode_loop_matches_eager(r, D, fused):
         for i in range(bs):
             seq[i] += 1
     assert counters["inductor"]["cudagraph_skips"] == 0
-    assert_same_bits(graphed.state, eager.state, "state")
+    if eager.online:  # running (max, sum, kv) rows are computed: eager and Inductor may differ in the last ulp
+        torch.testing.assert_close(graphed.state, eager.state, rtol=1e-5, atol=1e-6, equal_nan=True)
+    else:
+        assert_same_bits(graphed.state, eager.state, "state")
     layout = CacheLayout(cache_format(D, False, False), 256 // r)
     assert_caches_equivalent(graphed.kvcache, eager.kvcache, torch.cat(written), layout)
 
