@@ -154,10 +154,8 @@ def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_t
         )
         return
     if C128_PLAN_LAUNCH:
-        launch(planner_kernels._plan_decode_kernel)[(cdiv(bs, planner_kernels.DECODE_BLOCK),)](
-            req_pool_indices, seq_lens, words, bs, *tables, RATIO=r, **meta, BLOCK=planner_kernels.DECODE_BLOCK,
-            num_warps=4,
-        )
+        planner_kernels.plan_decode(req_pool_indices, req_to_token, full_to_state, seq_lens, r, swa_page_size,
+                                    ring_size, addressing, plan=plan)
         compress_kernels.compress_forward(kv_score_buffer, kv_score_input, ape, plan, None, out, head_dim, r)
     else:
         block_d = compress_kernels._channel_block(head_dim, compress_kernels.DECODE_BLOCK_D[128])

@@ -287,15 +287,17 @@ def _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, rin
 
 
 def plan_decode(req_pool_indices, req_to_token, full_to_state, seq_lens, compress_ratio, swa_page_size, ring_size,
-                addressing) -> torch.Tensor:
+                addressing, plan=None) -> torch.Tensor:
+    """DecodePlan rows ``[bs, 16]`` uint8, written into ``plan`` (``[bs, 16]`` uint8) when given."""
     bs = req_pool_indices.shape[0]
-    plan = torch.empty((bs, 4), dtype=torch.int32, device=req_pool_indices.device)
+    if plan is None:
+        plan = torch.empty((bs, 16), dtype=torch.uint8, device=req_pool_indices.device)
     tensors, meta = _lookup_args(req_to_token, full_to_state, compress_ratio, swa_page_size, ring_size, addressing,
                                  req_pool_indices.device)
     launch(_plan_decode_kernel)[(cdiv(bs, DECODE_BLOCK),)](
-        req_pool_indices, seq_lens, plan, bs, *tensors, BLOCK=DECODE_BLOCK, **meta, num_warps=4,
+        req_pool_indices, seq_lens, plan.view(torch.int32), bs, *tensors, BLOCK=DECODE_BLOCK, **meta, num_warps=4,
     )
-    return plan.view(torch.uint8)
+    return plan
 
 
 def plan_prefill(req_pool_indices, req_to_token, full_to_state, seq_lens, extend_lens, num_q_tokens, compress_ratio,
