@@ -17,6 +17,17 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
     assert bad.numel() == 0, f"{msg}: {bad.shape[0]} bytes differ, first at {bad[:5].tolist()}"
 
 
+def assert_layer_states_match(a, b) -> None:
+    """The ``state`` buffers of two ``DeepSeekV4Compressor`` runs (say eager and compiled) of the same steps.
+
+    The ring holds copies of the input rows only: bit-exact, NaN poison included. The online
+    state's running (max, sum, kv) rows are computed, so two backends may differ in the last ulp."""
+    if a.online:
+        torch.testing.assert_close(a.state, b.state, rtol=1e-5, atol=1e-6, equal_nan=True)
+    else:
+        assert_same_bits(a.state, b.state, "state")
+
+
 def written_byte_mask(cache: torch.Tensor, locs: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
     """Bool mask over the cache bytes that a store to ``locs`` may write."""
     mask = torch.zeros(cache.numel(), dtype=torch.bool, device=cache.device)
