@@ -82,7 +82,11 @@ def _random_state(sim, seed):
     return torch.randn(sim.state.shape, generator=g).to(sim.state_dtype), sim.cache.clone()
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def _case_id(case: dict) -> str:
+    return "-".join(f"{k}{v}" for k, v in case.items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_op_equals_the_three_ops(case, device):
     sim = _sim(case)
     for k, step in enumerate(_decode_steps(sim)):
@@ -103,7 +107,7 @@ def test_op_equals_the_three_ops(case, device):
 
 
 @pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_kernels(case):
     """The Triton launcher directly (under the interpreter in CI), outputs poisoned first."""
     sim = _sim(case)
@@ -133,14 +137,14 @@ def test_kernels_ratio128_channels_fastest_grid(monkeypatch):
     test_kernels(CASES[4])
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c["r"] == 128], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", [c for c in CASES if c["r"] == 128], ids=_case_id)
 def test_kernels_ratio128_plan_launch(case, monkeypatch):
     """Ratio 128 with the plan as a launch of its own (``C128_PLAN_LAUNCH``): the same results."""
     monkeypatch.setattr(step_kernels, "C128_PLAN_LAUNCH", not step_kernels.C128_PLAN_LAUNCH)
     test_kernels(case)
 
 
-@pytest.mark.parametrize("case", CASES[::2], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", CASES[::2], ids=_case_id)
 def test_opcheck(case):
     sim = _sim(case)
     step = _decode_steps(sim)[0]

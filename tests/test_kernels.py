@@ -163,7 +163,11 @@ def _close_rows(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5):
     assert err <= rel, f"max error {err:.3g} of the row scale"
 
 
-@pytest.mark.parametrize("case", COMPRESS_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def _case_id(case: dict) -> str:
+    return "-".join(f"{k}{v}" for k, v in case.items())
+
+
+@pytest.mark.parametrize("case", COMPRESS_CASES, ids=_case_id)
 def test_compress_kernels(case):
     c = dict(case)
     r, D = c.pop("r"), c.pop("D")
@@ -191,8 +195,7 @@ def test_compress_kernels(case):
             _close_rows(got_out.cpu(), want_out, 1e-5 if out_dtype == torch.float32 else 8e-3)
 
 
-@pytest.mark.parametrize("case", [COMPRESS_CASES[0], COMPRESS_CASES[3]],
-                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", [COMPRESS_CASES[0], COMPRESS_CASES[3]], ids=_case_id)
 def test_compress_kernels_channels_fastest_grid(case, monkeypatch):
     """The other order of the pooling and decode grids (the channel blocks of one row block run
     together) pools and writes exactly the same."""
