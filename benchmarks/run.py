@@ -281,8 +281,9 @@ def decode_setup(config, bs, seed=0, boundary_fraction=0.25, boundaries=None):
     swa_pages = compact_swa(pools)
     seq = torch.randint(1, DECODE_MAX_LEN // r - 1, (bs,), generator=g) * r
     off = torch.randint(1, r, (bs,), generator=g)
-    at_boundary = torch.rand(bs, generator=g) < boundary_fraction
-    if boundaries is not None:
+    if boundaries is None:
+        at_boundary = torch.rand(bs, generator=g) < boundary_fraction
+    else:
         at_boundary = torch.arange(bs) < boundaries
     seq = torch.where(at_boundary, seq, seq - off)
     width = state_row_width(D, r)

@@ -31,22 +31,23 @@ SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
 def _using(*settings):
     """Each ``(target, key, value)``: ``target.key`` (a module constant) or ``target[key]`` (a table
     entry) set to ``value`` for the duration, then restored."""
+    def swap(target, key, value):
+        """Set ``target.key`` / ``target[key]`` to ``value``; return the old value."""
+        if isinstance(target, dict):
+            old, target[key] = target[key], value
+        else:
+            old = getattr(target, key)
+            setattr(target, key, value)
+        return old
+
     undo = []
     try:
         for target, key, value in settings:
-            table = isinstance(target, dict)
-            undo.append((target, key, target[key] if table else getattr(target, key)))
-            if table:
-                target[key] = value
-            else:
-                setattr(target, key, value)
+            undo.append((target, key, swap(target, key, value)))
         yield
     finally:
         for target, key, old in reversed(undo):
-            if isinstance(target, dict):
-                target[key] = old
-            else:
-                setattr(target, key, old)
+            swap(target, key, old)
 
 
 def _sweep(grid, name, nbytes, fn, candidates):
