@@ -52,4 +52,12 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from a clean Dynamo cache: the layer's ``forward`` is one code object,
+    and a dozen layer configurations compiled in one process would otherwise reach Dynamo's
+    recompile limit (8 entries per code object) in whichever test comes ninth."""
+    torch._dynamo.reset()
+
+
 fix_triton_interpreter()

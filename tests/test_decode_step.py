@@ -130,16 +130,20 @@ def test_kernels(case):
 
 
 def test_kernels_ratio128_channels_fastest_grid(monkeypatch):
-    """The ratio-128 pool launch in the other grid order gives the same results."""
+    """The ratio-128 pool launches (fused with the plan, and after a plan launch) in the other grid
+    order give the same results."""
     from dsv4ops.compress import kernels as compress_kernels
 
     monkeypatch.setattr(compress_kernels, "CHANNELS_FASTEST", not compress_kernels.CHANNELS_FASTEST)
-    test_kernels(CASES[4])
+    for plan_launch in (False, True):
+        monkeypatch.setattr(step_kernels, "C128_PLAN_LAUNCH", plan_launch)
+        test_kernels(CASES[4])
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["r"] == 128], ids=_case_id)
 def test_kernels_ratio128_plan_launch(case, monkeypatch):
-    """Ratio 128 with the plan as a launch of its own (``C128_PLAN_LAUNCH``): the same results."""
+    """Ratio 128 with the other ``C128_PLAN_LAUNCH`` (plan fused into the pool launch, or a launch of
+    its own) than the default: the same results."""
     monkeypatch.setattr(step_kernels, "C128_PLAN_LAUNCH", not step_kernels.C128_PLAN_LAUNCH)
     test_kernels(case)
 

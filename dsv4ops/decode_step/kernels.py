@@ -12,8 +12,8 @@ Ratio 128: the 128-row window is too much for one program per request on the dec
 critical path, so pooling is split over channel blocks (one program per request and
 channel block, planning included) and the store is a second launch (the standalone
 store kernel, in decode mode, reading the plan the first launch wrote). With
-``C128_PLAN_LAUNCH`` the plan is a launch of its own and the pool is the unfused decode
-kernel (3 launches; for the tuning sweep).
+``C128_PLAN_LAUNCH`` (the default, measured faster) the plan is a launch of its own and
+the pool is the unfused decode kernel: 3 launches.
 """
 
 from __future__ import annotations
@@ -124,10 +124,10 @@ if HAVE_TRITON:
 C4_WARPS = {512: 4, 128: 2}
 #: ratio 128: plan in a launch of its own (the decode planner's kernel), then pool with the
 #: unfused decode kernel, instead of every (request, channel block) program planning its request.
-#: 3 launches instead of 2. H200, batch 128 (fifth session, measured separately): the fused pool
-#: 17.5 us with its store, against plan 1.7 + pool 10.9 + store 2.9 us. Not yet timed in one
-#: graph, so off until the sweep (``--only sweep``) has compared the two.
-C128_PLAN_LAUNCH = False
+#: 3 launches instead of 2, but each request's window lookups run once instead of once per channel
+#: block. H200 sweep, batch 128, 32 of 128 rows at a boundary, one CUDA graph (2026-12-03, sixth
+#: session): ratio-128 step 15.67 us with the plan launch, 17.58 us fused.
+C128_PLAN_LAUNCH = True
 
 
 def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_token, full_to_state, seq_lens,
