@@ -50,6 +50,18 @@ def test_bf16_rounding_matches_golden_encoder():
     assert torch.equal(quant.bf16_round(x).view(torch.int32) >> 16 & 0xFFFF, want)
 
 
+def test_byte_packing_ignores_size_one_strides():
+    """fp32/bf16 -> bytes for a one-row ``[1, 1]`` tensor whose size-1 dimensions carry stride 0, as
+    Inductor may hand the reference at batch 1 (``view(torch.uint8)`` refuses a stride of 0 there)."""
+    x = torch.randn(1).as_strided((1, 1), (0, 0))
+    dense = x.clone(memory_format=torch.contiguous_format).reshape(1)
+    assert torch.equal(quant.fp32_bytes(x), dense.view(torch.uint8)[None])
+    assert torch.equal(quant.bf16_bytes(x), dense.to(torch.bfloat16).view(torch.uint8)[None])
+    y = torch.randn(3, 5)  # and a plain batch: the little-endian bytes of each element
+    assert torch.equal(quant.fp32_bytes(y), y.view(torch.uint8))
+    assert torch.equal(quant.bf16_bytes(y), y.to(torch.bfloat16).view(torch.uint8))
+
+
 def test_e2m1_and_ue8m0_match_golden():
     v = torch.cat([torch.linspace(-7, 7, 2001), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.1])])
     want = torch.tensor([golden.e2m1_encode(a) for a in v.tolist()], dtype=torch.int32)

@@ -39,11 +39,16 @@ def bf16_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    """``[..., k]`` -> ``[..., k * itemsize]`` uint8, through a flat view: a ``[n, 1]`` view such as
-    ``scale[:, None]`` may keep a stride of 0 in its last dimension under Inductor (size-1 strides
-    do not count for contiguity), and ``view(torch.uint8)`` needs that stride to be 1."""
-    flat = x.contiguous().reshape(-1).view(torch.uint8)
-    return flat.reshape(*x.shape[:-1], x.shape[-1] * x.element_size())
+    """``[..., k]`` -> ``[..., k * itemsize]`` uint8, little-endian, by shifting the bit pattern.
+
+    Not ``view(torch.uint8)``: that needs a last-dimension stride of 1, and under Inductor a
+    tensor with size-1 dimensions (``scale[:, None]`` of a one-row batch) may carry a stride
+    of 0 there, which fails at lowering (seen on CUDA at batch 1). A view to an integer type of
+    the same size has no stride requirement."""
+    size = x.element_size()
+    bits = x.view({2: torch.int16, 4: torch.int32}[size]).to(torch.int32)
+    shifts = torch.arange(0, 8 * size, 8, dtype=torch.int32, device=x.device)
+    return ((bits[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] * size)
 
 
 def bf16_bytes(x: torch.Tensor) -> torch.Tensor:
