@@ -1,6 +1,6 @@
 """H200 benchmarks of every dsv4ops op: Triton kernel vs PyTorch reference (eager and torch.compile).
 
-    python -m benchmarks.run [--quick] [--only prefill|decode|step|train|sweep] [--out docs]
+    python -m benchmarks.run [--quick] [--only prefill|decode|step|train|sweep] [--configs c4-main ...] [--batches 1 8 ...] [--tokens 65536 ...] [--out docs]
     python -m benchmarks.run --replot CSV --out DIR      # the plot again from a saved CSV (no GPU)
 
 For every row: median time of the dsv4ops kernels with ``do_bench_cudagraph`` (GPU time of
@@ -58,6 +58,7 @@ CONFIGS = {  # name: (ratio, head_dim, ring)
     "c4-indexer": (4, 128, 8),
     "c128-main": (128, 512, 128),
 }
+GRID_CONFIGS = tuple(CONFIGS)  # the configs of the prefill and decode grids (--configs narrows them)
 #: skip the compress reference when its window gather would exceed this many bytes (64K-token ratio 128)
 REF_GATHER_LIMIT = 12 << 30
 PER_TOKEN_CACHE_BYTES = {0: 584, 1: 1024, 2: 132, 3: 68}
@@ -210,7 +211,7 @@ def store_setup(s, rows):
 
 def run_prefill(quick):
     tokens_list = PREFILL_TOKENS[:2] if quick else PREFILL_TOKENS
-    for config in CONFIGS:
+    for config in GRID_CONFIGS:
         for tokens in tokens_list:
             for requests in PREFILL_REQUESTS:
                 for prefix in (PREFIXES[:1] if quick and tokens != 16384 else PREFIXES):
@@ -309,7 +310,7 @@ def compress_decode_bytes(s, bs):
 
 
 def run_decode(quick):
-    for config in CONFIGS:
+    for config in GRID_CONFIGS:
         for bs in (DECODE_BATCHES[1::2] if quick else DECODE_BATCHES):
             s = decode_setup(config, bs)
             r, D = s["r"], s["D"]
@@ -529,6 +530,19 @@ def _configure_dry_run():
     STEP_BATCH = 4
 
 
+def _select(configs, batches, tokens):
+    """Narrow the prefill and decode grids (``--configs``, ``--batches``, ``--tokens``), e.g. to spend
+    a short device call on the rows a previous run did not reach; the whole step and the sweep keep
+    their shapes. ``--quick`` then thins what is left."""
+    global GRID_CONFIGS, DECODE_BATCHES, PREFILL_TOKENS
+    if configs:
+        GRID_CONFIGS = tuple(configs)
+    if batches:
+        DECODE_BATCHES = tuple(batches)
+    if tokens:
+        PREFILL_TOKENS = tuple(tokens)
+
+
 def main(argv=None):
     global COPY_BW, OUT_DIR
     parser = argparse.ArgumentParser()
@@ -539,12 +553,16 @@ def main(argv=None):
                         help="tiny shapes on the CPU (run with TRITON_INTERPRET=1): checks the script, times nothing")
     parser.add_argument("--replot", metavar="CSV", help="only draw <out>/bandwidth.png from a saved CSV")
     parser.add_argument("--device-name", default="NVIDIA H200", help="plot title with --replot")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="only these compressor configs")
+    parser.add_argument("--batches", nargs="+", type=int, help=f"decode batch sizes (default {DECODE_BATCHES})")
+    parser.add_argument("--tokens", nargs="+", type=int, help=f"prefill token counts (default {PREFILL_TOKENS})")
     args = parser.parse_args(argv)
     if args.replot:
         os.makedirs(args.out, exist_ok=True)
         return replot(args.replot, args.out, args.device_name)
     if args.dry_run:
         _configure_dry_run()
+    _select(args.configs, args.batches, args.tokens)
     OUT_DIR = args.out
     os.makedirs(OUT_DIR, exist_ok=True)
     csv_path = os.path.join(OUT_DIR, "benchmarks.csv")
