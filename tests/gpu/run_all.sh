@@ -26,10 +26,15 @@ export PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
 status=0
 summary() { echo "$*" | tee -a "$out/summary.txt"; }
-# limited STAGE cmd...: run cmd under the stage's time limit, if it has one
+# limited STAGE cmd...: run cmd under the stage's time limit, if it has one; a stage cut by its
+# limit says so in the summary (its counts are then of the tests that ran before the cut)
 limited() {
   local var="${1^^}_LIMIT"; shift
-  if [ -n "${!var:-}" ]; then timeout -s INT "${!var}" "$@"; else "$@"; fi
+  if [ -z "${!var:-}" ]; then "$@"; return; fi
+  timeout -s INT "${!var}" "$@"
+  local rc=$?
+  [ "$rc" -eq 124 ] && cut=", stopped by its ${!var} s limit"
+  return "$rc"
 }
 pytest_result() { grep -E '[0-9]+ (passed|failed)' "$1" | tail -1; }
 : > "$out/summary.txt"
@@ -37,6 +42,7 @@ summary "$(nvidia-smi -L | head -1) | $("$py" -c 'import torch, triton; print("t
 
 for stage in ${STAGES:-gpu suite deploy memcheck}; do
   start=$(date +%s)
+  cut=""
   case "$stage" in
     gpu)
       limited gpu "$py" -m pytest -q tests/gpu -p no:cacheprovider -rA -s > "$out/gpu.log" 2>&1 || status=1
@@ -83,7 +89,7 @@ for stage in ${STAGES:-gpu suite deploy memcheck}; do
     *)
       summary "unknown stage $stage"; status=1; continue ;;
   esac
-  summary "$stage: $result ($(( $(date +%s) - start )) s)"
+  summary "$stage: $result ($(( $(date +%s) - start )) s$cut)"
 done
 summary "run_all status: $status"
 exit $status
