@@ -9,11 +9,11 @@ unfused kernels (``planner.kernels._state_row``, ``compress.kernels.decode_row``
 ``store.kernels._store_*_rows``), so the bytes are those of the unfused ops.
 
 Ratio 128: the 128-row window is too much for one program per request on the decode
-critical path, so pooling is split over channel blocks (one program per request and
-channel block, planning included) and the store is a second launch (the standalone
-store kernel, in decode mode, reading the plan the first launch wrote). With
-``C128_PLAN_LAUNCH`` (the default, measured faster) the plan is a launch of its own and
-the pool is the unfused decode kernel: 3 launches.
+critical path, so pooling is split over channel blocks, and the store is a launch of its
+own (the standalone store kernel, in decode mode, reading the plan). By default
+(``C128_PLAN_LAUNCH``) the plan is a launch of its own too, the decode planner's kernel,
+and the pool is the unfused decode kernel: 3 launches. Otherwise every (request, channel
+block) program plans its request in the pool launch: 2 launches, but measured slower.
 """
 
 from __future__ import annotations

@@ -41,10 +41,10 @@ def bf16_round(x: torch.Tensor) -> torch.Tensor:
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
     """``[..., k]`` -> ``[..., k * itemsize]`` uint8, little-endian, by shifting the bit pattern.
 
-    Not ``view(torch.uint8)``: that needs a last-dimension stride of 1, and under Inductor a
-    tensor with size-1 dimensions (``scale[:, None]`` of a one-row batch) may carry a stride
-    of 0 there, which fails at lowering (seen on CUDA at batch 1). A view to an integer type of
-    the same size has no stride requirement."""
+    Not ``view(torch.uint8)``: that needs a last-dimension stride of 1, which a size-1
+    dimension need not have (``scale[:, None]`` of a one-row batch may carry a stride of 0
+    under Inductor, and the view then fails at lowering). A view to an integer type of the
+    same size has no stride requirement."""
     size = x.element_size()
     bits = x.view({2: torch.int16, 4: torch.int32}[size]).to(torch.int32)
     shifts = torch.arange(0, 8 * size, 8, dtype=torch.int32, device=x.device)
