@@ -6,6 +6,7 @@ on a broken script)."""
 from __future__ import annotations
 
 import csv
+import io
 import os
 import subprocess
 import sys
@@ -47,3 +48,54 @@ def test_tile_sweep_dry_run(tmp_path):
                   "grid order, prefill c4-main", "grid order, compress_forward decode c128-main",
                   "plan launch, fused decode step c128-main"):
         assert any(line.startswith(f"best  {group}") for line in best), f"no result for {group}:\n{done.stdout}"
+
+
+def test_profile_script_dry_run():
+    """``benchmarks.profile`` (what the GPU session's ``profile`` stage runs under ncu) makes every
+    profiled call once, on tiny shapes, under the interpreter."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.profile", "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    profiled = [line for line in done.stdout.splitlines() if line.startswith("profiled: ")]
+    for config in ("c4-main", "c4-indexer", "c128-main"):
+        for op in ("compress_forward prefill", "norm_rope_store prefill", "compress_forward decode",
+                   "compress_decode_step (fused)"):
+            assert any(line.startswith(f"profiled: {op} {config}") for line in profiled), f"{op} {config}"
+    assert sum(line.startswith("profiled: plan_decode") for line in profiled) == 2
+
+
+def test_profile_summary_reads_ncu_details_csv():
+    """The summary of an ncu ``--csv --page details`` log: the tool's own lines before the header are
+    skipped, each kernel's key metrics come first and in order, and the rest follow."""
+    from benchmarks.profile import read_ncu_csv, summarize
+
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+    def row(kid, kernel, section, name, unit, value):
+        return (f'"{kid}","1","python3","h","{kernel}","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0",'
+                f'"{section}","{name}","{unit}","{value}"')
+
+    text = "\n".join([
+        "==PROF== Connected to process 1",
+        "profiled: compress_forward prefill c128-main",
+        header,
+        row(0, "_pool_c128_kernel(float *, ...)", "GPU Speed Of Light Throughput", "Memory Throughput", "%", "44.1"),
+        row(0, "_pool_c128_kernel(float *, ...)", "GPU Speed Of Light Throughput", "Duration", "us", "45.2"),
+        row(0, "_pool_c128_kernel(float *, ...)", "Occupancy", "Achieved Occupancy", "%", "17.3"),
+        row(0, "_pool_c128_kernel(float *, ...)", "Launch Statistics", "Registers Per Thread", "register/thread", "163"),
+        row(1, "_write_kernel(float *, ...)", "GPU Speed Of Light Throughput", "Duration", "us", "7.1"),
+        row(1, "_write_kernel(float *, ...)", "Warp State Statistics", "Warp Cycles Per Issued Instruction", "cycle",
+            "31.5"),
+    ])
+    kernels = read_ncu_csv(text)
+    assert list(kernels) == [("0", "_pool_c128_kernel(float *, ...)"), ("1", "_write_kernel(float *, ...)")]
+    assert kernels[("0", "_pool_c128_kernel(float *, ...)")]["Duration"] == "45.2 us"
+    out = io.StringIO()
+    assert summarize(text, out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "== kernel 0: _pool_c128_kernel"
+    assert [line.split()[0] for line in lines[1:5]] == ["Duration", "Memory", "Achieved", "Registers"]
+    assert "Warp Cycles Per Issued Instruction" in out.getvalue() and "31.5 cycle" in out.getvalue()
+    assert summarize("==PROF== no kernels were profiled", io.StringIO()) == 1

@@ -14,6 +14,9 @@
 #             under one CUDA graph); e.g. BENCH_ARGS="--quick" for the reduced grid, "--only sweep"
 #             for the launch-parameter sweep
 #   train     benchmarks.train --quick (training ops, forward + backward, CUDA-graph GPU times)
+#   profile   Nsight Compute over one launch of each prefill kernel (16K tokens) and of the decode ops
+#             that miss 5x (benchmarks/profile.py): ncu.csv, and profile.txt with each kernel's time,
+#             DRAM / L2 throughput, occupancy and issue stalls
 # SUITE_SHARD=k/n (e.g. 1/2, then 2/2 in a second call): the suite stage runs every n-th test only.
 # <STAGE>_LIMIT=<seconds> (e.g. SUITE_LIMIT=300) stops a stage with SIGINT after that long, so
 # pytest still names every failure so far; tests/gpu/short_run.sh sets limits that fit one
@@ -83,6 +86,15 @@ for stage in ${STAGES:-gpu suite deploy memcheck}; do
       limited bench "$py" -m benchmarks.run ${BENCH_ARGS:---quick --only step} --out "$out/bench" > "$out/bench.log" 2>&1 \
         || status=1
       result="$(($(wc -l < "$out/bench/benchmarks.csv" 2>/dev/null || echo 1) - 1)) rows" ;;
+    profile)
+      if ! command -v ncu >/dev/null; then
+        summary "profile: ncu not found"; status=1; continue
+      fi
+      limited profile ncu --clock-control none --profile-from-start off --csv --page details --log-file "$out/ncu.csv" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats "$py" -m benchmarks.profile > "$out/profile.log" 2>&1 || status=1
+      "$py" -m benchmarks.profile --summarize "$out/ncu.csv" > "$out/profile.txt" 2>&1 || status=1
+      result="$(grep -c '^== kernel' "$out/profile.txt") kernels profiled" ;;
     train)
       limited train "$py" -m benchmarks.train --quick --csv "$out/train.csv" > "$out/train.log" 2>&1 || status=1
       result="$(($(wc -l < "$out/train.csv" 2>/dev/null || echo 1) - 1)) rows" ;;
