@@ -1,12 +1,12 @@
 """Launch-parameter sweep: ``python -m benchmarks.run --only sweep [--out DIR]``.
 
 Times each launch parameter of the Triton kernels (tiles, rows per program, channel blocks,
-warps, grid order, the ratio-128 step's plan launch) with the kernel alone replayed in a CUDA
-graph, on the shapes of the benchmark grid, and prints every candidate's time and, per group,
-the fastest. The grid's setups, byte counts, timing and settings come from ``benchmarks/run.py``,
-passed in as it runs (``__main__`` under ``python -m``). Each candidate is set for its timing
-only, and the module constants are restored after. A GPU session makes the winners the
-defaults (``docs/performance.md``, "The sweep").
+warps, grid order, the ratio-128 step's plan launch, tile-by-tile ratio-128 pooling) with the
+kernel alone replayed in a CUDA graph, on the shapes of the benchmark grid, and prints every
+candidate's time and, per group, the fastest. The grid's setups, byte counts, timing and
+settings come from ``benchmarks/run.py``, passed in as it runs (``__main__`` under ``python
+-m``). Each candidate is set for its timing only, and the module constants are restored after.
+A GPU session makes the winners the defaults (``docs/performance.md``, "The sweep").
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from dsv4ops.store import kernels as sk
 SWEEP_C4 = [(16, 64, 4), (8, 64, 4), (8, 128, 4), (8, 64, 2), (4, 128, 4), (16, 64, 8), (32, 64, 8), (8, 32, 2)]
 SWEEP_C128 = [(32, 32, 32, 4), (32, 64, 32, 8), (16, 32, 32, 2), (32, 32, 32, 8), (64, 32, 32, 8), (32, 16, 32, 4)]
 SWEEP_C128_PROGRAMS = [128, 256, 512]
+#: ratio-128 streaming pool (``C128_STREAM_STAGES`` > 0): (tile, stages); the whole-window path
+#: (stages 0, ``C128_TILE``) is the first candidate, to compare against
+SWEEP_C128_STREAM = [((16, 64, 32, 4), 2), ((16, 64, 32, 4), 3), ((32, 32, 32, 4), 2), ((32, 32, 32, 4), 3),
+                     ((32, 64, 32, 8), 2), ((16, 32, 32, 2), 2), ((16, 128, 32, 8), 2)]
 SWEEP_DECODE_BLOCK_D = {128: [32, 64, 16], 4: [128, 64, 256]}
 SWEEP_C4_WARPS = {512: [8, 4, 16], 128: [4, 2, 8]}
 SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
@@ -74,13 +78,15 @@ def sweep_tiles(grid):
     rows per program (prefill, 16K tokens), the decode channel blocks (compress_forward decode; for
     ratio 128 also the fused step), the warps of the ratio-4 fused step (batch 128), and the order
     of the pooling and decode grids (``CHANNELS_FASTEST``), and whether ratio 128's fused step plans
-    in a launch of its own (``C128_PLAN_LAUNCH``). Each group ends with its fastest candidate."""
+    in a launch of its own (``C128_PLAN_LAUNCH``), and ratio 128's prefill pooling tile by tile
+    (``C128_STREAM_STAGES``). Each group ends with its fastest candidate."""
     cases = ((16384, 1), (16384, 32), (4096, 1))
     c4, c128, programs_list, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_PROGRAMS, SWEEP_STORE_BLOCK_M
+    streams = SWEEP_C128_STREAM
     block_ds, warps = SWEEP_DECODE_BLOCK_D, SWEEP_C4_WARPS
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         cases = ((grid.PREFILL_TOKENS[0], 32),)
-        c4, c128, programs_list, block_ms = c4[:2], c128[:2], [8], block_ms[:2]
+        c4, c128, programs_list, block_ms, streams = c4[:2], c128[:2], [8], block_ms[:2], streams[:1]
         block_ds, warps = ({k: v[:2] for k, v in table.items()} for table in (block_ds, warps))
     for config in grid.CONFIGS:
         for tokens, requests in cases:
@@ -98,6 +104,12 @@ def sweep_tiles(grid):
                          for tile in c128 for programs in programs_list]
             _sweep(grid, f"prefill {shape}", nbytes, run, tiles)
             _sweep(grid, f"grid order, prefill {shape}", nbytes, run, _grid_orders())
+            if r == 128:  # the whole window in registers, against tile-by-tile pooling (online softmax)
+                _sweep(grid, f"streaming, prefill {shape}", nbytes, run,
+                       [("C128_STREAM_STAGES 0 (whole window)", [(ck, "C128_STREAM_STAGES", 0)])]
+                       + [(f"C128_STREAM_STAGES {stages} C128_STREAM_TILE {tile}",
+                           [(ck, "C128_STREAM_STAGES", stages), (ck, "C128_STREAM_TILE", tile)])
+                          for tile, stages in streams])
             if requests == 32:
                 kv, cache, fmt, freqs, w = grid.store_setup(s, s["plan_c"].shape[0])
                 args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)

@@ -70,10 +70,11 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
                  dict(HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=ck._channel_block(head_dim, channels),
                       CHANNELS_FASTEST=channels_fastest), warps)
     else:
-        rows, channels, chunk, warps = ck.C128_TILE
-        _compile(ck._pool_c128_kernel, dict(counts, num_programs="i32"),
-                 dict(HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=ck._channel_block(head_dim, channels), CHUNK=chunk,
-                      CHANNELS_FASTEST=channels_fastest), warps)
+        # the whole-window path, and the streaming one (online softmax, pipelined tile loop)
+        for stages, (rows, channels, chunk, warps) in ((0, ck.C128_TILE), (2, ck.C128_STREAM_TILE)):
+            _compile(ck._pool_c128_kernel, dict(counts, num_programs="i32"),
+                     dict(HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=ck._channel_block(head_dim, channels),
+                          CHUNK=chunk, CHANNELS_FASTEST=channels_fastest, STAGES=stages), warps)
     width = (4 if ratio == 4 else 2) * head_dim
     block_r, block_c = ck.WRITE_TILE
     _compile(ck._write_kernel,

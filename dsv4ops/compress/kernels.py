@@ -289,11 +289,45 @@ if HAVE_TRITON:
         return _pool_window_tiles(scores, values, STEPS, BLOCK_D)
 
     @triton.jit
+    def _pool_c128_event_streaming(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
+                                   HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+                                   STAGES: tl.constexpr):
+        """``_pool_c128_event`` one ``[BLOCK_W, BLOCK_D]`` tile at a time, in a software-pipelined
+        loop (``STAGES`` tiles in flight), with an online softmax: a running max ``m``, and the
+        sums of ``exp(score - m)`` and ``exp(score - m) * kv`` rescaled by ``exp(m_old - m)`` when
+        ``m`` grows. It keeps one tile in registers instead of the whole window."""
+        D: tl.constexpr = HEAD_DIM
+        WIDTH: tl.constexpr = 2 * HEAD_DIM
+        m = tl.full([BLOCK_D], float("-inf"), tl.float32)
+        num = tl.zeros([BLOCK_D], tl.float32)
+        den = tl.zeros([BLOCK_D], tl.float32)
+        for step in tl.range(0, 128 // BLOCK_W, num_stages=STAGES):
+            j = step * BLOCK_W + tl.arange(0, BLOCK_W)
+            at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
+            ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
+            from_ring = (j < buffer_len)[:, None]
+            kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
+                          tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
+            score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
+                             tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
+            score += tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(score, axis=0))
+            rescale = tl.exp(m - m_new)  # 0 on the first tile (m = -inf)
+            e = tl.exp(score - m_new[None, :])
+            den = den * rescale + tl.sum(e, axis=0)
+            num = num * rescale + tl.sum(e * kv, axis=0)
+            m = m_new
+        return num / den
+
+    @triton.jit
     def _pool_c128_kernel(
         state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs, num_programs,
         HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-        CHANNELS_FASTEST: tl.constexpr,
+        CHANNELS_FASTEST: tl.constexpr, STAGES: tl.constexpr,
     ):
+        """Pool every valid ratio-128 plan row for one channel block. ``STAGES == 0``: the whole
+        window's tiles are loaded at once, then a max pass and a sum pass (``_pool_c128_event``);
+        ``STAGES > 0``: tile by tile with an online softmax (``_pool_c128_event_streaming``)."""
         D: tl.constexpr = HEAD_DIM
         g, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
         d = block * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -313,10 +347,16 @@ if HAVE_TRITON:
             for i in range(tl.sum(valid.to(tl.int32), axis=0)):
                 pick = valid & (rank == i)
                 row = tl.sum(tl.where(pick, k, 0), axis=0)
-                pooled = _pool_c128_event(
-                    state_ptr, input_ptr, ape_ptr, tl.sum(tl.where(pick, ragged, 0), axis=0),
-                    tl.sum(tl.where(pick, buffer_len, 0), axis=0), tl.sum(tl.where(pick, page1, 0), axis=0), d,
-                    HEAD_DIM, BLOCK_W, BLOCK_D)
+                event_ragged = tl.sum(tl.where(pick, ragged, 0), axis=0)
+                event_buffer_len = tl.sum(tl.where(pick, buffer_len, 0), axis=0)
+                event_page1 = tl.sum(tl.where(pick, page1, 0), axis=0)
+                if STAGES == 0:
+                    pooled = _pool_c128_event(state_ptr, input_ptr, ape_ptr, event_ragged, event_buffer_len,
+                                              event_page1, d, HEAD_DIM, BLOCK_W, BLOCK_D)
+                else:
+                    pooled = _pool_c128_event_streaming(state_ptr, input_ptr, ape_ptr, event_ragged,
+                                                        event_buffer_len, event_page1, d, HEAD_DIM, BLOCK_W,
+                                                        BLOCK_D, STAGES)
                 tl.store(out_ptr + row * D + d, cast_rne(pooled, out_dtype))
 
     # ------------------------------------------------------------------ prefill, pass 2
@@ -352,6 +392,12 @@ DECODE_BLOCK_D = {4: 256, 128: 32}
 C4_TILE = {512: (8, 32, 2), 128: (8, 64, 4)}
 #: ratio-128 pooling: (window rows per tile, channels per program, plan rows read per vector, warps)
 C128_TILE = (32, 32, 32, 4)
+#: ratio-128 pooling, streaming: 0 keeps the whole window in registers (``C128_TILE``); > 0 pools
+#: tile by tile with an online softmax, this many tiles in flight, with ``C128_STREAM_TILE`` (same
+#: fields as ``C128_TILE``). Off until the H200 sweep (``--only sweep``) has timed it: it holds one
+#: tile in registers instead of four, so more programs fit on an SM, but it adds a rescale per tile.
+C128_STREAM_STAGES = 0
+C128_STREAM_TILE = (16, 64, 32, 4)
 #: ratio-128 pooling: programs along the plan rows (times the channel blocks); fixed, so no
 #: data-dependent grid: each program walks the plan rows ``g, g + G, ...``
 C128_PROGRAMS = 256
@@ -403,12 +449,12 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
             HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, CHANNELS_FASTEST=CHANNELS_FASTEST, num_warps=warps,
         )
     else:
-        rows, channels, chunk, warps = C128_TILE
+        rows, channels, chunk, warps = C128_STREAM_TILE if C128_STREAM_STAGES else C128_TILE
         channels = _channel_block(head_dim, channels)
         launch(_pool_c128_kernel)[(C128_PROGRAMS * (head_dim // channels),)](
             kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs, C128_PROGRAMS,
             HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, CHANNELS_FASTEST=CHANNELS_FASTEST,
-            num_warps=warps,
+            STAGES=C128_STREAM_STAGES, num_warps=warps,
         )
     block_r, block_c = WRITE_TILE
     launch(_write_kernel)[(cdiv(write_plan.shape[0], block_r),)](
