@@ -204,11 +204,11 @@ def test_compress_kernels_channels_fastest_grid(case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", [COMPRESS_CASES[3], COMPRESS_CASES[4]], ids=_case_id)
-@pytest.mark.parametrize("stages", [1, 2])
-def test_compress_kernels_ratio128_streaming(case, stages, monkeypatch):
+def test_compress_kernels_ratio128_streaming(case, monkeypatch):
     """Ratio-128 prefill pooling tile by tile with an online softmax (``C128_STREAM_STAGES``) pools
-    within the same tolerance of the reference, and writes the same state bits."""
-    monkeypatch.setattr(compress_kernels, "C128_STREAM_STAGES", stages)
+    within the same tolerance of the reference, and writes the same state bits. (The stage count
+    only changes the GPU's software pipelining, which the interpreter does not model.)"""
+    monkeypatch.setattr(compress_kernels, "C128_STREAM_STAGES", 2)
     monkeypatch.setattr(compress_kernels, "C128_STREAM_TILE", (16, 32, 8, 4))  # 8 tiles per window at D 64
     test_compress_kernels(case)
 
