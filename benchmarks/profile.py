@@ -53,7 +53,7 @@ def launches(grid, dry_run):
                       lambda s=s, out=out, r=r, D=D: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"],
                                                                          s["plan_w"], out, D, r)))
         kv, cache, _, freqs, w = grid.store_setup(s, s["plan_c"].shape[0])
-        args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
+        args = grid.prefill_store_args(s, kv, cache, freqs, w)
         calls.append((f"norm_rope_store prefill {config} {tokens} tok", lambda args=args: sk.norm_rope_store(*args)))
     for config in grid.CONFIGS:
         for bs in batches:
@@ -65,12 +65,10 @@ def launches(grid, dry_run):
                           lambda s=s, out=out, r=r, D=D: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"],
                                                                              None, out, D, r)))
             if config != "c4-indexer":
-                pargs = (s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"], r, 128, s["ring"], 0)
+                pargs = grid.plan_decode_args(s)
                 calls.append((f"plan_decode {shape}", lambda pargs=pargs: pk.plan_decode(*pargs)))
             plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=grid.DEV)
-            step = (s["state"], s["x"], s["ape"], s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state,
-                    s["seq"], s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plan_buf, out, D, r, 128,
-                    s["ring"], 0, 256 // r, False, False)
+            step = grid.decode_step_args(s, plan_buf, out)
             calls.append((f"compress_decode_step (fused) {shape}", lambda step=step: dk.decode_step(*step)))
     return calls
 

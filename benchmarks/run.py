@@ -209,6 +209,12 @@ def store_setup(s, rows):
     return kv, cache, fmt, rope_freqs_table(s["pools"].max_seq_len + 8).to(DEV), torch.randn(D, device=DEV)
 
 
+def prefill_store_args(s, kv, cache, freqs, weight):
+    """``norm_rope_store``'s arguments for a prefill setup: its compress plan, FP8 formats."""
+    r = s["r"]
+    return (kv, s["plan_c"], weight, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
+
+
 def run_prefill(quick):
     tokens_list = PREFILL_TOKENS[:2] if quick else PREFILL_TOKENS
     for config in GRID_CONFIGS:
@@ -236,7 +242,7 @@ def run_prefill(quick):
 
                     kv, cache, fmt, freqs, w = store_setup(s, s["plan_c"].shape[0])
                     n_live = plan_counts(s)[0]
-                    args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
+                    args = prefill_store_args(s, kv, cache, freqs, w)
                     row = Row("norm_rope_store prefill", config, shape, tokens,
                               bench(lambda: sk.norm_rope_store(*args)),
                               store_bytes(n_live, kv.shape[0], D, fmt))
@@ -309,6 +315,20 @@ def compress_decode_bytes(s, bs):
     return bs * width * 4 * 2 + s["boundary"] * (window_len(r) - 1) * ring_row * 4 + bs * D * 4 + bs * 16
 
 
+def plan_decode_args(s):
+    """``plan_decode``'s arguments for a decode setup."""
+    return (s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"], s["r"], 128, s["ring"], 0)
+
+
+def decode_step_args(s, plan, out):
+    """``compress_decode_step``'s arguments for a decode setup, with ``plan`` ``[bs, 16]`` uint8 and
+    ``out`` ``[bs, D]`` as its output buffers."""
+    r = s["r"]
+    return (s["state"], s["x"], s["ape"], s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"],
+            s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plan, out, s["D"], r, 128, s["ring"], 0,
+            256 // r, False, False)
+
+
 def run_decode(quick):
     for config in GRID_CONFIGS:
         for bs in (DECODE_BATCHES[1::2] if quick else DECODE_BATCHES):
@@ -337,7 +357,7 @@ def run_decode(quick):
             record(row)
 
             if config != "c4-indexer":
-                pargs = (s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"], r, 128, s["ring"], 0)
+                pargs = plan_decode_args(s)
                 row = Row("plan_decode", config, f"bs {bs}", bs, bench(lambda: pk.plan_decode(*pargs)),
                           bs * (8 + 8 + 2 * (4 + 8) + 16))
                 row.ref_eager_us = bench_ref(lambda: plan_decode_reference(*pargs))
@@ -345,9 +365,7 @@ def run_decode(quick):
                 record(row)
 
             plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=DEV)
-            fargs = (s["state"], s["x"], s["ape"], s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state,
-                     s["seq"], s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plan_buf, out, D, r, 128,
-                     s["ring"], 0, 256 // r, False, False)
+            fargs = decode_step_args(s, plan_buf, out)
             row = Row("compress_decode_step (fused)", config, shape, bs,
                       bench(lambda: dk.decode_step(*fargs)),
                       compress_decode_bytes(s, bs) + store_bytes(s["boundary"], 0, D, s["fmt"]) + bs * 48)
@@ -402,9 +420,7 @@ def whole_decode_step(bs=None):
 
     def step(name, s=None):
         s = s or parts[name]
-        dk.decode_step(s["state"], s["x"], s["ape"], s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state,
-                       s["seq"], s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plans[name], kvs[name],
-                       s["D"], s["r"], 128, s["ring"], 0, 256 // s["r"], False, False)
+        dk.decode_step(*decode_step_args(s, plans[name], kvs[name]))
 
     side = None if DRY_RUN else torch.cuda.Stream()
 

@@ -112,7 +112,7 @@ def sweep_tiles(grid):
                           for tile, stages in streams])
             if requests == 32:
                 kv, cache, fmt, freqs, w = grid.store_setup(s, s["plan_c"].shape[0])
-                args = (kv, s["plan_c"], w, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
+                args = grid.prefill_store_args(s, kv, cache, freqs, w)
                 kind = "main" if D == 512 else "indexer"
                 decode_rows = sk.BLOCK_M[kind][1]
                 store_bytes = grid.store_bytes(grid.plan_counts(s)[0], kv.shape[0], D, fmt)
@@ -128,10 +128,8 @@ def sweep_tiles(grid):
         nbytes = grid.compress_decode_bytes(s, bs)
         shape = f"{config} bs {bs} ({s['boundary']} at a boundary)"
         unfused = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r)  # noqa: E731
-        fused = lambda: dk.decode_step(  # noqa: E731
-            s["state"], s["x"], s["ape"], s["rpi"], s["pools"].req_to_token, s["pools"].full_to_state, s["seq"],
-            s["weight"], 1e-6, s["freqs"], s["out_loc"], s["cache"], plan_buf, out, D, r, 128, s["ring"], 0,
-            256 // r, False, False)
+        step_args = grid.decode_step_args(s, plan_buf, out)
+        fused = lambda: dk.decode_step(*step_args)  # noqa: E731
         # ratio 128 pools over channel blocks in both the decode kernel and the fused step; ratio 4's
         # fused step is one program per request, whose warps are swept instead
         for name, fn in [("compress_forward decode", unfused)] + ([("fused decode step", fused)] if r == 128 else []):
