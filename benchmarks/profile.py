@@ -52,6 +52,10 @@ def launches(grid, dry_run):
         calls.append((f"compress_forward prefill {config} {tokens} tok / {requests} req (pool, then write)",
                       lambda s=s, out=out, r=r, D=D: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"],
                                                                          s["plan_w"], out, D, r)))
+        if r == 128:  # the tile-by-tile pool (off by default) beside the whole-window one
+            calls.append((f"compress_forward prefill {config} {tokens} tok / {requests} req, C128_STREAM_STAGES 2",
+                          lambda s=s, out=out, r=r, D=D: _streaming(ck, lambda: ck.compress_forward(
+                              s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r))))
         kv, cache, _, freqs, w = grid.store_setup(s, s["plan_c"].shape[0])
         args = grid.prefill_store_args(s, kv, cache, freqs, w)
         calls.append((f"norm_rope_store prefill {config} {tokens} tok", lambda args=args: sk.norm_rope_store(*args)))
@@ -71,6 +75,15 @@ def launches(grid, dry_run):
             step = grid.decode_step_args(s, plan_buf, out)
             calls.append((f"compress_decode_step (fused) {shape}", lambda step=step: dk.decode_step(*step)))
     return calls
+
+
+def _streaming(ck, fn):
+    """``fn()`` with the ratio-128 prefill pool set to tile-by-tile (``C128_STREAM_STAGES`` 2)."""
+    old, ck.C128_STREAM_STAGES = ck.C128_STREAM_STAGES, 2
+    try:
+        fn()
+    finally:
+        ck.C128_STREAM_STAGES = old
 
 
 def profile(dry_run):

@@ -548,8 +548,8 @@ def _configure_dry_run():
 
 def _select(configs, batches, tokens):
     """Narrow the prefill and decode grids (``--configs``, ``--batches``, ``--tokens``), e.g. to spend
-    a short device call on the rows a previous run did not reach; the whole step and the sweep keep
-    their shapes. ``--quick`` then thins what is left."""
+    a short device call on the rows a previous run did not reach; the sweep takes ``--configs`` too,
+    the whole step keeps its shapes. ``--quick`` then thins what is left."""
     global GRID_CONFIGS, DECODE_BATCHES, PREFILL_TOKENS
     if configs:
         GRID_CONFIGS = tuple(configs)

@@ -20,15 +20,22 @@ from dsv4ops.decode_step import kernels as dk
 from dsv4ops.store import kernels as sk
 
 SWEEP_C4 = [(16, 64, 4), (8, 64, 4), (8, 128, 4), (8, 64, 2), (4, 128, 4), (16, 64, 8), (32, 64, 8), (8, 32, 2)]
-SWEEP_C128 = [(32, 32, 32, 4), (32, 64, 32, 8), (16, 32, 32, 2), (32, 32, 32, 8), (64, 32, 32, 8), (32, 16, 32, 4)]
-SWEEP_C128_PROGRAMS = [128, 256, 512]
+SWEEP_C128 = [(32, 32, 32, 4), (32, 32, 64, 4), (32, 32, 128, 4), (32, 64, 32, 8), (16, 32, 32, 2), (32, 32, 32, 8),
+              (64, 32, 32, 8), (32, 16, 32, 4)]
+#: ratio-128 pooling: plan rows per program (``C128_ROWS_PER_PROGRAM``)
+SWEEP_C128_ROWS_PER_PROGRAM = [128, 64, 256]
+#: ratio-4 pooling: strided row blocks per program (``C4_BLOCKS``)
+SWEEP_C4_BLOCKS = [4, 1, 2, 8]
 #: ratio-128 streaming pool (``C128_STREAM_STAGES`` > 0): (tile, stages); the whole-window path
 #: (stages 0, ``C128_TILE``) is the first candidate, to compare against
-SWEEP_C128_STREAM = [((16, 64, 32, 4), 2), ((16, 64, 32, 4), 3), ((32, 32, 32, 4), 2), ((32, 32, 32, 4), 3),
-                     ((32, 64, 32, 8), 2), ((16, 32, 32, 2), 2), ((16, 128, 32, 8), 2)]
+SWEEP_C128_STREAM = [((16, 32, 64, 2), 3), ((16, 64, 32, 4), 2), ((16, 64, 32, 4), 3), ((32, 32, 32, 4), 2),
+                     ((32, 32, 32, 4), 3), ((32, 64, 32, 8), 2), ((16, 32, 32, 2), 2), ((16, 128, 32, 8), 2),
+                     ((16, 64, 64, 4), 2), ((16, 64, 128, 4), 2), ((8, 128, 64, 4), 3), ((16, 32, 128, 2), 3)]
 SWEEP_DECODE_BLOCK_D = {128: [32, 64, 16], 4: [128, 64, 256]}
 SWEEP_C4_WARPS = {512: [8, 4, 16], 128: [4, 2, 8]}
 SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
+#: store, prefill: strided row blocks per program (``PREFILL_BLOCKS``; 16 spills the main kernel)
+SWEEP_STORE_BLOCKS = [1, 2, 4, 8]
 
 
 @contextlib.contextmanager
@@ -74,21 +81,23 @@ def _grid_orders():
 
 def sweep_tiles(grid):
     """Kernel-only timings (replayed in a CUDA graph, as the benchmark rows) of the launch parameters:
-    the prefill pooling tiles (ratio 4 main and indexer, ratio 128; 4K and 16K tokens), the store's
-    rows per program (prefill, 16K tokens), the decode channel blocks (compress_forward decode; for
+    the prefill pooling tiles, with the strided row blocks per program of ratio 4 and the plan rows
+    per program of ratio 128 (ratio 4 main and indexer, ratio 128; 4K and 16K tokens), the store's
+    rows and row blocks per program (prefill, 16K tokens), the decode channel blocks (compress_forward decode; for
     ratio 128 also the fused step), the warps of the ratio-4 fused step (batch 128), and the order
     of the pooling and decode grids (``CHANNELS_FASTEST``), and whether ratio 128's fused step plans
     in a launch of its own (``C128_PLAN_LAUNCH``), and ratio 128's prefill pooling tile by tile
     (``C128_STREAM_STAGES``). Each group ends with its fastest candidate."""
     cases = ((16384, 1), (16384, 32), (4096, 1))
-    c4, c128, programs_list, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_PROGRAMS, SWEEP_STORE_BLOCK_M
-    streams = SWEEP_C128_STREAM
+    c4, c128, rpps, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_ROWS_PER_PROGRAM, SWEEP_STORE_BLOCK_M
+    c4_blocks, store_blocks, streams = SWEEP_C4_BLOCKS, SWEEP_STORE_BLOCKS, SWEEP_C128_STREAM
     block_ds, warps = SWEEP_DECODE_BLOCK_D, SWEEP_C4_WARPS
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         cases = ((grid.PREFILL_TOKENS[0], 32),)
-        c4, c128, programs_list, block_ms, streams = c4[:2], c128[:2], [8], block_ms[:2], streams[:1]
+        c4, c128, rpps, block_ms, streams = c4[:2], c128[:2], [8], block_ms[:2], streams[:1]
+        c4_blocks, store_blocks = c4_blocks[:2], store_blocks[:2]
         block_ds, warps = ({k: v[:2] for k, v in table.items()} for table in (block_ds, warps))
-    for config in grid.CONFIGS:
+    for config in grid.GRID_CONFIGS:
         for tokens, requests in cases:
             s = grid.prefill_setup(config, tokens, requests, 0)
             r, D = s["r"], s["D"]
@@ -97,19 +106,25 @@ def sweep_tiles(grid):
             shape = f"{config} {tokens} tok / {requests} req"
             run = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)  # noqa: E731
             if r == 4:
-                tiles = [(f"C4_TILE[{D}] {tile}", [(ck.C4_TILE, D, tile)]) for tile in c4]
+                # every tile at the default block count, then every block count at the default tile
+                pairs = [(tile, c4_blocks[0]) for tile in c4] + [(ck.C4_TILE[D], b) for b in c4_blocks[1:]]
+                tiles = [(f"C4_TILE[{D}] {tile} C4_BLOCKS {blocks}", [(ck.C4_TILE, D, tile), (ck, "C4_BLOCKS", blocks)])
+                         for tile, blocks in pairs]
             else:
-                tiles = [(f"C128_TILE {tile} C128_PROGRAMS {programs}",
-                          [(ck, "C128_TILE", tile), (ck, "C128_PROGRAMS", programs)])
-                         for tile in c128 for programs in programs_list]
+                pairs = [(tile, rpps[0]) for tile in c128] + [(ck.C128_TILE, rpp) for rpp in rpps[1:]]
+                tiles = [(f"C128_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
+                          [(ck, "C128_TILE", tile), (ck, "C128_ROWS_PER_PROGRAM", rpp)])
+                         for tile, rpp in pairs]
             _sweep(grid, f"prefill {shape}", nbytes, run, tiles)
             _sweep(grid, f"grid order, prefill {shape}", nbytes, run, _grid_orders())
             if r == 128:  # the whole window in registers, against tile-by-tile pooling (online softmax)
                 _sweep(grid, f"streaming, prefill {shape}", nbytes, run,
                        [("C128_STREAM_STAGES 0 (whole window)", [(ck, "C128_STREAM_STAGES", 0)])]
-                       + [(f"C128_STREAM_STAGES {stages} C128_STREAM_TILE {tile}",
-                           [(ck, "C128_STREAM_STAGES", stages), (ck, "C128_STREAM_TILE", tile)])
-                          for tile, stages in streams])
+                       + [(f"C128_STREAM_STAGES {stages} C128_STREAM_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
+                           [(ck, "C128_STREAM_STAGES", stages), (ck, "C128_STREAM_TILE", tile),
+                            (ck, "C128_ROWS_PER_PROGRAM", rpp)])
+                          for (tile, stages), rpp in [(stream, rpps[0]) for stream in streams]
+                          + [(streams[0], rpp) for rpp in rpps[1:]]])
             if requests == 32:
                 kv, cache, fmt, freqs, w = grid.store_setup(s, s["plan_c"].shape[0])
                 args = grid.prefill_store_args(s, kv, cache, freqs, w)
@@ -117,10 +132,12 @@ def sweep_tiles(grid):
                 decode_rows = sk.BLOCK_M[kind][1]
                 store_bytes = grid.store_bytes(grid.plan_counts(s)[0], kv.shape[0], D, fmt)
                 _sweep(grid, f"store {config} {tokens} tok", store_bytes, lambda: sk.norm_rope_store(*args),
-                       [(f"BLOCK_M[{kind!r}] prefill {m}", [(sk.BLOCK_M, kind, (m, decode_rows))]) for m in block_ms])
+                       [(f"BLOCK_M[{kind!r}] prefill {m} PREFILL_BLOCKS[{r}] {blocks}",
+                         [(sk.BLOCK_M, kind, (m, decode_rows)), (sk.PREFILL_BLOCKS, r, blocks)])
+                        for m in block_ms for blocks in store_blocks if m * blocks <= 128])
             del s, out
             torch.cuda.empty_cache()
-    for config in grid.CONFIGS:
+    for config in grid.GRID_CONFIGS:
         s = grid.decode_setup(config, grid.STEP_BATCH)
         r, D, bs = s["r"], s["D"], grid.STEP_BATCH
         out = torch.empty(bs, D, device=grid.DEV)

@@ -38,8 +38,8 @@ PAGE_BYTES_ALIGNED = ("page_bytes",)
 
 
 @pytest.mark.parametrize("fmt,head_dim", STORE_VARIANTS)
-@pytest.mark.parametrize("is_decode", [True, False])
-def test_variant_store_kernel(fmt, head_dim, is_decode):
+@pytest.mark.parametrize("is_decode,ratio", [(True, 4), (False, 4), (False, 128)])
+def test_variant_store_kernel(fmt, head_dim, is_decode, ratio):
     ck, pk, sk = _kernels()
     types = dict(kv_ptr="*fp32", plan_ptr="*i32", weight_ptr="*fp32", freqs_ptr="*fp32", out_loc_ptr="*i64",
                  cache_ptr="*u8", num_rows="i32", num_locs="i32", num_freq_rows="i32", num_pages="i32", eps="fp32",
@@ -48,8 +48,9 @@ def test_variant_store_kernel(fmt, head_dim, is_decode):
     main = head_dim == 512
     block_m = sk.BLOCK_M["main" if main else "indexer"][1 if is_decode else 0]
     flag = dict(BF16=fmt == 1) if main else dict(FP4=fmt == 3)
-    consts = dict(**flag, IS_DECODE=is_decode, RATIO=4, SLOT_BYTES=layout.slot_bytes,
-                  SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m)
+    consts = dict(**flag, IS_DECODE=is_decode, RATIO=ratio, SLOT_BYTES=layout.slot_bytes,
+                  SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m,
+                  BLOCKS=1 if is_decode else sk.PREFILL_BLOCKS[ratio])
     _compile(sk._store_main_kernel if main else sk._store_indexer_kernel, types, consts,
              multiples_of_16=PAGE_BYTES_ALIGNED)
 
@@ -68,7 +69,7 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
         events, channels, warps = ck.c4_tile(head_dim)
         _compile(ck._pool_c4_kernel, counts,
                  dict(HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=ck._channel_block(head_dim, channels),
-                      CHANNELS_FASTEST=channels_fastest), warps)
+                      BLOCKS=ck.C4_BLOCKS, CHANNELS_FASTEST=channels_fastest), warps)
     else:
         # the whole-window path, and the streaming one (online softmax, pipelined tile loop)
         for stages, (rows, channels, chunk, warps) in ((0, ck.C128_TILE), (2, ck.C128_STREAM_TILE)):

@@ -34,7 +34,7 @@ if HAVE_TRITON:
 
     from ..compress.kernels import _grid_position, decode_row
     from ..planner.kernels import _page, _state_row
-    from ..store.kernels import _store_indexer_rows, _store_main_rows, _store_rows, _store_slots
+    from ..store.kernels import _store_indexer_rows, _store_main_rows, _store_position, _store_rows, _store_slots
 
     @triton.jit
     def _plan_request(b, rpi_ptr, seq_ptr, plan_ptr, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full,
@@ -81,18 +81,19 @@ if HAVE_TRITON:
         rows = b + tl.arange(0, 1)
         words0 = word0 + tl.zeros([1], tl.int32)
         live, loc_index = _store_rows(words0, words0, rows, bs, num_locs, True, 4)
+        live, pos = _store_position(words0, live, num_freq_rows, 4)
         loc = tl.load(out_loc_ptr + loc_index, mask=live, other=-1).to(tl.int64)
-        live, base, slot, pos = _store_slots(words0, loc, live, num_freq_rows, num_pages, log2_page, page_bytes, 4)
+        live, base, slot = _store_slots(loc, live, num_pages, log2_page, page_bytes)
         d = tl.arange(0, HEAD_DIM)
         decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
                    HEAD_DIM, 4, HEAD_DIM, 8)
         if (seq_len % 4 == 0) & (seq_len >= 4):
             tl.debug_barrier()  # out[b], written by other threads of this program
             if HEAD_DIM == 512:
-                _store_main_rows(out_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
+                _store_main_rows(out_ptr, rows, live, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
                                  log2_page, FLAG, SLOT_BYTES, SCALE_STRIDE)
             else:
-                _store_indexer_rows(out_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
+                _store_indexer_rows(out_ptr, rows, live, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
                                     log2_page, FLAG, SLOT_BYTES, SCALE_STRIDE, 1)
 
     @triton.jit

@@ -1,10 +1,12 @@
 """Triton kernels for ``compress_norm_rope_store``: one fused kernel per compressor width.
 
 ``_store_main_kernel`` (D = 512: FP8 pack or bf16) and ``_store_indexer_kernel``
-(D = 128: Hadamard, then FP8 or FP4). Each program takes ``BLOCK_M`` rows: RMSNorm,
-RoPE, (Hadamard), quantization and the paged scatter, all in registers; a block of
-rows with nothing to store (plan padding, decode rows off a chunk boundary) only
-reads its plan words. The arithmetic follows the pinned numerics of
+(D = 128: Hadamard, then FP8 or FP4). Each program takes blocks of ``BLOCK_M`` rows
+(one in decode; ``PREFILL_BLOCKS`` in prefill, strided over the padded plan so that
+no program reads only padding): RMSNorm, RoPE, (Hadamard), quantization and the
+paged scatter, all in registers; a block of rows with nothing to store (plan
+padding, decode rows off a chunk boundary) only reads its plan words. A block's
+rows are read while their cache slots are looked up. The arithmetic follows the pinned numerics of
 ``reference.py`` operation by operation (fp64 where the reference uses fp64, IEEE
 fp32 elsewhere, integer bit manipulation for every rounding to a storage format),
 so the bytes written are identical to the reference's on the GPU and under the
@@ -82,7 +84,8 @@ if HAVE_TRITON:
     # ------------------------------------------------------------------ shared steps
     @triton.jit
     def _store_rows(word0, word1, rows, num_rows, num_locs, IS_DECODE: tl.constexpr, RATIO: tl.constexpr):
-        """Which plan rows store a token, from their first two plan words: (live, index into out_loc)."""
+        """Which plan rows may store a token, from their first two plan words: (candidate, index into
+        out_loc). A candidate is live once its cache slot (``_store_slots``) is in range."""
         seq_len = word0.to(tl.int64) & 0xFFFFFFFF
         in_rows = rows < num_rows
         if IS_DECODE:
@@ -94,13 +97,17 @@ if HAVE_TRITON:
         return live & (loc_index < num_locs), loc_index
 
     @triton.jit
-    def _store_slots(word0, loc, live, num_freq_rows, num_pages, log2_page, page_bytes, RATIO: tl.constexpr):
-        """Where each live row goes, from its plan word 0 and its cache slot ``loc``:
-        (live, byte offset of the page, slot in the page, RoPE position)."""
+    def _store_position(word0, candidate, num_freq_rows, RATIO: tl.constexpr):
+        """The RoPE position of each row (its plan word 0), and the rows whose position is in the table."""
         pos = (word0.to(tl.int64) & 0xFFFFFFFF) - RATIO
+        return candidate & (pos < num_freq_rows), pos
+
+    @triton.jit
+    def _store_slots(loc, candidate, num_pages, log2_page, page_bytes):
+        """Where each row goes, from its cache slot ``loc``: (live, byte offset of the page, slot in the page)."""
         page = loc >> log2_page
-        live = live & (loc >= 0) & (page < num_pages) & (pos < num_freq_rows)
-        return live, page * page_bytes, loc & ((1 << log2_page) - 1), pos  # int64: caches can exceed 2 GiB
+        live = candidate & (loc >= 0) & (page < num_pages)
+        return live, page * page_bytes, loc & ((1 << log2_page) - 1)  # int64: caches can exceed 2 GiB
 
     @triton.jit
     def _rstd(x, eps, HEAD_DIM: tl.constexpr):
@@ -124,9 +131,11 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ main compressor (D = 512)
     @triton.jit
-    def _store_main_rows(kv_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps, log2_page,
-                         BF16: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr):
+    def _store_main_rows(kv_ptr, rows, readable, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
+                         log2_page, BF16: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr):
         """Normalize, rotate, quantize and store the rows ``rows`` of ``kv`` ``[*, 512]`` where ``live``.
+        The rows and their RoPE positions are read where ``readable`` (a superset of ``live`` that does
+        not wait for the cache-slot lookup, so the two loads are in flight together).
 
         FP8 pack (448 e4m3 + 7 ue8m0 scales + 64 bf16 rope) or plain bf16. The row is read as
         8 groups of 64 (groups 0..6 are the FP8 groups); the rope tail (group 7) is read a
@@ -137,19 +146,19 @@ if HAVE_TRITON:
         col = tl.arange(0, 64)
         pair = tl.arange(0, 32)
         element = group[:, None] * 64 + col[None, :]  # [8, 64]
-        x = tl.load(kv_ptr + rows[:, None, None] * 512 + element[None, :, :], mask=live[:, None, None],
+        x = tl.load(kv_ptr + rows[:, None, None] * 512 + element[None, :, :], mask=readable[:, None, None],
                     other=0.0).to(tl.float32)
         rstd = _rstd(x, eps, 512)
         y = (x * rstd[:, None, None]) * tl.load(weight_ptr + element).to(tl.float32)[None, :, :]
 
         even = 448 + 2 * pair
-        xe = tl.load(kv_ptr + rows[:, None] * 512 + even[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        xo = tl.load(kv_ptr + rows[:, None] * 512 + even[None, :] + 1, mask=live[:, None], other=0.0).to(tl.float32)
+        xe = tl.load(kv_ptr + rows[:, None] * 512 + even[None, :], mask=readable[:, None], other=0.0).to(tl.float32)
+        xo = tl.load(kv_ptr + rows[:, None] * 512 + even[None, :] + 1, mask=readable[:, None], other=0.0).to(tl.float32)
         ye = (xe * rstd[:, None]) * tl.load(weight_ptr + even).to(tl.float32)[None, :]
         yo = (xo * rstd[:, None]) * tl.load(weight_ptr + even + 1).to(tl.float32)[None, :]
         f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
-        re, ro = _rotate(ye, yo, tl.load(f_at, mask=live[:, None], other=0.0),
-                         tl.load(f_at + 1, mask=live[:, None], other=0.0))
+        re, ro = _rotate(ye, yo, tl.load(f_at, mask=readable[:, None], other=0.0),
+                         tl.load(f_at + 1, mask=readable[:, None], other=0.0))
         rope_words = bf16_bits(re) | (bf16_bits(ro) << 16)
 
         slot_at = base + slot * SLOT_BYTES  # byte offset of each row's slot
@@ -179,37 +188,49 @@ if HAVE_TRITON:
         kv_ptr, plan_ptr, weight_ptr, freqs_ptr, out_loc_ptr, cache_ptr,
         num_rows, num_locs, num_freq_rows, num_pages, eps, log2_page, page_bytes,
         BF16: tl.constexpr, IS_DECODE: tl.constexpr, RATIO: tl.constexpr,
-        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr,
     ):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        # the index loads stay in the kernel body: Inductor's mutation analysis of user Triton kernels
+        # BLOCKS blocks of BLOCK_M rows, strided over the plan (blocks p, p + P, ... of P programs); the
+        # index loads stay in the kernel body: Inductor's mutation analysis of user Triton kernels
         # treats every pointer passed to a helper whose result feeds a store address as written
-        word0 = tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1)
-        word1 = tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0)
-        live, loc_index = _store_rows(word0, word1, rows, num_rows, num_locs, IS_DECODE, RATIO)
-        loc = tl.load(out_loc_ptr + loc_index, mask=live, other=-1).to(tl.int64)
-        live, base, slot, pos = _store_slots(word0, loc, live, num_freq_rows, num_pages, log2_page, page_bytes, RATIO)
-        # plans are padded (prefill) or mostly non-boundary (decode): skip blocks with no row to store
-        if tl.max(live.to(tl.int32), axis=0) > 0:
-            _store_main_rows(kv_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps, log2_page,
-                             BF16, SLOT_BYTES, SCALE_STRIDE)
+        programs = tl.num_programs(0)
+        row_blocks = ()
+        words0 = ()
+        words1 = ()
+        for i in tl.static_range(BLOCKS):  # every block's plan words in flight at once
+            rows = (tl.program_id(0) + i * programs).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_blocks = row_blocks + (rows,)
+            words0 = words0 + (tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1),)
+            words1 = words1 + (tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0),)
+        for i in tl.static_range(BLOCKS):
+            rows = row_blocks[i]
+            candidate, loc_index = _store_rows(words0[i], words1[i], rows, num_rows, num_locs, IS_DECODE, RATIO)
+            candidate, pos = _store_position(words0[i], candidate, num_freq_rows, RATIO)
+            # plans are padded (prefill) or mostly off a boundary (decode): skip blocks with nothing to store
+            if tl.max(candidate.to(tl.int32), axis=0) > 0:
+                loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
+                live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
+                _store_main_rows(kv_ptr, rows, candidate, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
+                                 log2_page, BF16, SLOT_BYTES, SCALE_STRIDE)
 
     # ------------------------------------------------------------------ indexer compressor (D = 128)
     @triton.jit
-    def _store_indexer_rows(kv_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps, log2_page,
-                            FP4: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+    def _store_indexer_rows(kv_ptr, rows, readable, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
+                            log2_page, FP4: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
                             BLOCK_M: tl.constexpr):
-        """Hadamard-rotated rows of 128: FP8 with one fp32 scale, or FP4 (e2m1) with 4 ue8m0 scales."""
+        """Hadamard-rotated rows of 128: FP8 with one fp32 scale, or FP4 (e2m1) with 4 ue8m0 scales.
+        Reads where ``readable``, stores where ``live`` (as ``_store_main_rows``)."""
         cols = tl.arange(0, 128)
-        x = tl.load(kv_ptr + rows[:, None] * 128 + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        x = tl.load(kv_ptr + rows[:, None] * 128 + cols[None, :], mask=readable[:, None], other=0.0).to(tl.float32)
         rstd = _rstd(x, eps, 128)
         y = (x * rstd[:, None]) * tl.load(weight_ptr + cols).to(tl.float32)[None, :]
         # RoPE on the pairs of the last 64 elements: pairs 32..63
         a, b = tl.split(tl.reshape(y, [BLOCK_M, 64, 2]))
         pair = tl.arange(0, 64) - 32
-        rotated = live[:, None] & (pair >= 0)[None, :]
+        rotated = (pair >= 0)[None, :]
+        in_table = readable[:, None] & rotated
         f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
-        ra, rb = _rotate(a, b, tl.load(f_at, mask=rotated, other=0.0), tl.load(f_at + 1, mask=rotated, other=0.0))
+        ra, rb = _rotate(a, b, tl.load(f_at, mask=in_table, other=0.0), tl.load(f_at + 1, mask=in_table, other=0.0))
         y = tl.reshape(tl.join(tl.where(rotated, ra, a), tl.where(rotated, rb, b)), [BLOCK_M, 128])
         h = _hadamard128(y, BLOCK_M)
         slot_at = base + slot * SLOT_BYTES
@@ -236,25 +257,41 @@ if HAVE_TRITON:
         kv_ptr, plan_ptr, weight_ptr, freqs_ptr, out_loc_ptr, cache_ptr,
         num_rows, num_locs, num_freq_rows, num_pages, eps, log2_page, page_bytes,
         FP4: tl.constexpr, IS_DECODE: tl.constexpr, RATIO: tl.constexpr,
-        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr,
     ):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        # the index loads stay in the kernel body: Inductor's mutation analysis of user Triton kernels
+        # BLOCKS blocks of BLOCK_M rows, strided over the plan (blocks p, p + P, ... of P programs); the
+        # index loads stay in the kernel body: Inductor's mutation analysis of user Triton kernels
         # treats every pointer passed to a helper whose result feeds a store address as written
-        word0 = tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1)
-        word1 = tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0)
-        live, loc_index = _store_rows(word0, word1, rows, num_rows, num_locs, IS_DECODE, RATIO)
-        loc = tl.load(out_loc_ptr + loc_index, mask=live, other=-1).to(tl.int64)
-        live, base, slot, pos = _store_slots(word0, loc, live, num_freq_rows, num_pages, log2_page, page_bytes, RATIO)
-        if tl.max(live.to(tl.int32), axis=0) > 0:
-            _store_indexer_rows(kv_ptr, rows, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps, log2_page,
-                                FP4, SLOT_BYTES, SCALE_STRIDE, BLOCK_M)
+        programs = tl.num_programs(0)
+        row_blocks = ()
+        words0 = ()
+        words1 = ()
+        for i in tl.static_range(BLOCKS):  # every block's plan words in flight at once
+            rows = (tl.program_id(0) + i * programs).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_blocks = row_blocks + (rows,)
+            words0 = words0 + (tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1),)
+            words1 = words1 + (tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0),)
+        for i in tl.static_range(BLOCKS):
+            rows = row_blocks[i]
+            candidate, loc_index = _store_rows(words0[i], words1[i], rows, num_rows, num_locs, IS_DECODE, RATIO)
+            candidate, pos = _store_position(words0[i], candidate, num_freq_rows, RATIO)
+            # plans are padded (prefill) or mostly off a boundary (decode): skip blocks with nothing to store
+            if tl.max(candidate.to(tl.int32), axis=0) > 0:
+                loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
+                live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
+                _store_indexer_rows(kv_ptr, rows, candidate, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
+                                    log2_page, FP4, SLOT_BYTES, SCALE_STRIDE, BLOCK_M)
 
 
 #: rows per program, per format family: (prefill, decode). H200 sweep at 16K tokens (2026-12-03,
 #: fifth session): main 7.14 us at 8 rows, 7.50 at 4, 9.35 at 16; indexer 6.01 us at 4, 6.15 at 8,
 #: 6.34 at 16 (the value until then).
 BLOCK_M = {"main": (8, 2), "indexer": (4, 4)}
+#: prefill: row blocks per program, per compress ratio (decode: 1). A prefill plan is padded to the
+#: token count and at most one row in ``ratio`` (plus one per request) stores a token, valid rows
+#: first; with strided blocks (see the kernels) each program meets about one block with rows to
+#: store, instead of most programs reading only padding.
+PREFILL_BLOCKS = {4: 4, 128: 8}
 
 
 def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is_decode, compress_ratio, page_size,
@@ -266,11 +303,12 @@ def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is
     block_m = BLOCK_M["main" if main else "indexer"][1 if is_decode else 0]
     kernel = _store_main_kernel if main else _store_indexer_kernel
     flag = dict(BF16=bool(bf16_store)) if main else dict(FP4=bool(use_fp4))
-    launch(kernel)[(cdiv(kv.shape[0], block_m),)](
+    blocks = 1 if is_decode else PREFILL_BLOCKS[int(compress_ratio)]
+    launch(kernel)[(cdiv(cdiv(kv.shape[0], block_m), blocks),)](
         kv, plan.view(torch.int32), norm_weight, freqs, out_loc, kvcache,
         kv.shape[0], out_loc.shape[0], freqs.shape[0], kvcache.numel() // layout.page_bytes, fp32(norm_eps),
         page_size.bit_length() - 1, layout.page_bytes,
         **flag, IS_DECODE=bool(is_decode), RATIO=int(compress_ratio),
         SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m,
-        num_warps=4,
+        BLOCKS=blocks, num_warps=4,
     )
