@@ -52,9 +52,9 @@ def launches(grid, dry_run):
         calls.append((f"compress_forward prefill {config} {tokens} tok / {requests} req (pool, then write)",
                       lambda s=s, out=out, r=r, D=D: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"],
                                                                          s["plan_w"], out, D, r)))
-        if r == 128:  # the tile-by-tile pool (off by default) beside the whole-window one
-            calls.append((f"compress_forward prefill {config} {tokens} tok / {requests} req, C128_STREAM_STAGES 2",
-                          lambda s=s, out=out, r=r, D=D: _streaming(ck, lambda: ck.compress_forward(
+        if r == 128:  # the whole-window pool (C128_STREAM_STAGES 0) beside the default tile-by-tile one
+            calls.append((f"compress_forward prefill {config} {tokens} tok / {requests} req, C128_STREAM_STAGES 0",
+                          lambda s=s, out=out, r=r, D=D: _whole_window(ck, lambda: ck.compress_forward(
                               s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r))))
         kv, cache, _, freqs, w = grid.store_setup(s, s["plan_c"].shape[0])
         args = grid.prefill_store_args(s, kv, cache, freqs, w)
@@ -77,9 +77,10 @@ def launches(grid, dry_run):
     return calls
 
 
-def _streaming(ck, fn):
-    """``fn()`` with the ratio-128 prefill pool set to tile-by-tile (``C128_STREAM_STAGES`` 2)."""
-    old, ck.C128_STREAM_STAGES = ck.C128_STREAM_STAGES, 2
+def _whole_window(ck, fn):
+    """``fn()`` with the ratio-128 prefill pool holding the whole window in registers
+    (``C128_STREAM_STAGES`` 0, ``C128_TILE``) instead of the default tile-by-tile pool."""
+    old, ck.C128_STREAM_STAGES = ck.C128_STREAM_STAGES, 0
     try:
         fn()
     finally:

@@ -205,11 +205,23 @@ def test_compress_kernels_channels_fastest_grid(case, monkeypatch):
 
 @pytest.mark.parametrize("case", [COMPRESS_CASES[3], COMPRESS_CASES[4]], ids=_case_id)
 def test_compress_kernels_ratio128_streaming(case, monkeypatch):
-    """Ratio-128 prefill pooling tile by tile with an online softmax (``C128_STREAM_STAGES``) pools
-    within the same tolerance of the reference, and writes the same state bits. (The stage count
-    only changes the GPU's software pipelining, which the interpreter does not model.)"""
+    """Ratio-128 prefill pooling tile by tile with an online softmax (``C128_STREAM_STAGES``, the
+    default) at a tile of 16 rows, 8 tiles per window, pools within the same tolerance of the
+    reference, and writes the same state bits. (The stage count only changes the GPU's software
+    pipelining, which the interpreter does not model.)"""
     monkeypatch.setattr(compress_kernels, "C128_STREAM_STAGES", 2)
     monkeypatch.setattr(compress_kernels, "C128_STREAM_TILE", (16, 32, 8, 4))  # 8 tiles per window at D 64
+    test_compress_kernels(case)
+
+
+@pytest.mark.parametrize("case", [COMPRESS_CASES[3], COMPRESS_CASES[4]], ids=_case_id)
+@pytest.mark.parametrize("rows_per_program", [1024, 8], ids=["one-row-program", "many-row-programs"])
+def test_compress_kernels_ratio128_whole_window(case, rows_per_program, monkeypatch):
+    """Ratio-128 prefill pooling with the whole window in registers (``C128_STREAM_STAGES`` 0, the
+    non-default path) pools and writes as the streaming one; and with few plan rows per program the
+    grid has many programs along the rows, each walking its own strided rows."""
+    monkeypatch.setattr(compress_kernels, "C128_STREAM_STAGES", 0)
+    monkeypatch.setattr(compress_kernels, "C128_ROWS_PER_PROGRAM", rows_per_program)
     test_compress_kernels(case)
 
 

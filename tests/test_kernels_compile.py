@@ -46,11 +46,12 @@ def test_variant_store_kernel(fmt, head_dim, is_decode, ratio):
                  log2_page="i32", page_bytes="i32")
     layout = CacheLayout(CacheFormat(fmt), 64)
     main = head_dim == 512
-    block_m = sk.BLOCK_M["main" if main else "indexer"][1 if is_decode else 0]
+    kind = "main" if main else "indexer"
+    block_m = sk.BLOCK_M[kind][1 if is_decode else 0]
     flag = dict(BF16=fmt == 1) if main else dict(FP4=fmt == 3)
     consts = dict(**flag, IS_DECODE=is_decode, RATIO=ratio, SLOT_BYTES=layout.slot_bytes,
                   SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m,
-                  BLOCKS=1 if is_decode else sk.PREFILL_BLOCKS[ratio])
+                  BLOCKS=1 if is_decode else sk.PREFILL_BLOCKS[kind, ratio])
     _compile(sk._store_main_kernel if main else sk._store_indexer_kernel, types, consts,
              multiples_of_16=PAGE_BYTES_ALIGNED)
 
@@ -69,10 +70,12 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
         events, channels, warps = ck.c4_tile(head_dim)
         _compile(ck._pool_c4_kernel, counts,
                  dict(HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=ck._channel_block(head_dim, channels),
-                      BLOCKS=ck.C4_BLOCKS, CHANNELS_FASTEST=channels_fastest), warps)
+                      CHANNELS_FASTEST=channels_fastest), warps)
     else:
-        # the whole-window path, and the streaming one (online softmax, pipelined tile loop)
-        for stages, (rows, channels, chunk, warps) in ((0, ck.C128_TILE), (2, ck.C128_STREAM_TILE)):
+        # the whole-window path, and the streaming one (online softmax, pipelined tile loop) at the
+        # default stage count
+        for stages, (rows, channels, chunk, warps) in ((0, ck.C128_TILE),
+                                                       (ck.C128_STREAM_STAGES or 2, ck.C128_STREAM_TILE)):
             _compile(ck._pool_c128_kernel, dict(counts, num_programs="i32"),
                      dict(HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=ck._channel_block(head_dim, channels),
                           CHUNK=chunk, CHANNELS_FASTEST=channels_fastest, STAGES=stages), warps)

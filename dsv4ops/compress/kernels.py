@@ -8,10 +8,8 @@ gives, and it needs no barrier.
 
 Prefill, pass 1 (pooling, every CompressPlan row):
 
-* ratio 4 (``_pool_c4_kernel``): one program per ``C4_BLOCKS`` (4) blocks of ``BLOCK_E``
-  consecutive plan rows x ``BLOCK_D`` channels, the blocks strided over the plan so that
-  each program meets about one block of events and three of padding (at most a quarter
-  of the rows are events). Each of the 8 window rows is one 2-D tile
+* ratio 4 (``_pool_c4_kernel``): one program per block of ``BLOCK_E`` consecutive
+  plan rows x ``BLOCK_D`` channels. Each of the 8 window rows is one 2-D tile
   ``[BLOCK_E, BLOCK_D]`` (contiguous channels of one input or state row per event);
   all 16 tiles (kv and score) are loaded before any arithmetic, so a program has all
   of its bytes in flight at once, and the softmax is a two-pass one over registers.
@@ -24,8 +22,11 @@ Prefill, pass 1 (pooling, every CompressPlan row):
   rows ``g, g + G, g + 2G, ...`` (about one event each: events are at most one plan row
   in 128 plus one per request, valid rows first); it reads their words in vectors of ``CHUNK``,
   writes zeros for the padding rows among them in one wide store, and pools each of
-  its valid events with all 128 x ``BLOCK_D`` window values in flight (kv, score and
-  ape tiles for the whole window are loaded before the softmax).
+  its valid events tile by tile (``C128_STREAM_TILE`` rows x channels, an online
+  softmax with a running max, ``C128_STREAM_STAGES`` tiles in flight in a
+  software-pipelined loop), or, with ``C128_STREAM_STAGES = 0``, with all 128 x
+  ``BLOCK_D`` window values in flight (kv, score and ape tiles for the whole window
+  loaded before a two-pass softmax).
 
 Prefill, pass 2 (``_write_kernel``, a second launch): copy the WritePlan rows into the
 ring. Launch order on the stream keeps every pass-1 read ahead of every pass-2 write.
@@ -203,12 +204,17 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ prefill, ratio 4
     @triton.jit
-    def _pool_c4_block(state_ptr, input_ptr, ape_ptr, d, in_plan, words, num_state_rows, num_inputs,
-                       HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-        """The pooled ``[BLOCK_E, BLOCK_D]`` tile of one block of CompressPlan rows (their words already
-        loaded) for channels ``d``; zeros for invalid rows."""
+    def _pool_c4_kernel(
+        state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs,
+        HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
+    ):
         D: tl.constexpr = HEAD_DIM
         WIDTH: tl.constexpr = 4 * HEAD_DIM
+        row_block, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
+        k = row_block.to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+        d = block * BLOCK_D + tl.arange(0, BLOCK_D)
+        in_plan = k < num_events
+        words = tl.load(plan_ptr + k[:, None] * 4 + tl.arange(0, 4)[None, :], mask=in_plan[:, None], other=-1)
         word0, seq_len, ragged, buffer_len, page0, page1 = _compress_plan_fields(words, in_plan)
         valid, has_overlap = _c4_event_valid(word0, seq_len, ragged, buffer_len, page0, page1,
                                              num_state_rows, num_inputs)
@@ -254,35 +260,8 @@ if HAVE_TRITON:
                 den += e
                 num += e * values[w]
             result = tl.where(valid[:, None], num / den, 0.0)
-        return result
-
-    @triton.jit
-    def _pool_c4_kernel(
-        state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs,
-        HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKS: tl.constexpr,
-        CHANNELS_FASTEST: tl.constexpr,
-    ):
-        """Each program pools ``BLOCKS`` blocks of ``BLOCK_E`` consecutive plan rows for one channel
-        block: row blocks ``p, p + P, ..., p + (BLOCKS - 1) P`` of ``P`` row programs. At most a quarter
-        of a ratio-4 plan's rows (plus one per request) are events, valid rows first, so with
-        ``BLOCKS = 4`` about one block per program has events and the others only store zeros: no
-        program is spent on padding alone. The plan words of every block are loaded first."""
-        row_program, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
-        row_programs = tl.num_programs(0) // (HEAD_DIM // BLOCK_D)
-        d = block * BLOCK_D + tl.arange(0, BLOCK_D)
-        ks = ()
-        words = ()
-        for i in tl.static_range(BLOCKS):
-            k = (row_program + i * row_programs).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
-            ks = ks + (k,)
-            words = words + (tl.load(plan_ptr + k[:, None] * 4 + tl.arange(0, 4)[None, :],
-                                     mask=(k < num_events)[:, None], other=-1),)
-        for i in tl.static_range(BLOCKS):
-            in_plan = ks[i] < num_events
-            result = _pool_c4_block(state_ptr, input_ptr, ape_ptr, d, in_plan, words[i], num_state_rows, num_inputs,
-                                    HEAD_DIM, BLOCK_E, BLOCK_D)
-            tl.store(out_ptr + ks[i][:, None] * HEAD_DIM + d[None, :], cast_rne(result, out_ptr.dtype.element_ty),
-                     mask=in_plan[:, None])
+        tl.store(out_ptr + k[:, None] * D + d[None, :], cast_rne(result, out_ptr.dtype.element_ty),
+                 mask=in_plan[:, None])
 
     # ------------------------------------------------------------------ prefill, ratio 128
     @triton.jit
@@ -414,22 +393,23 @@ DECODE_BLOCK_D = {4: 256, 128: 32}
 #: tile until then); D 128 14.7 us at (8, 64, 4), 21.4 at (16, 64, 4). Other head_dims take the
 #: tile of the nearer of the two.
 C4_TILE = {512: (8, 32, 2), 128: (8, 64, 4)}
-#: ratio-4 pooling: row blocks per program (strided, see ``_pool_c4_kernel``). 1 gives each block
-#: of plan rows a program of its own, so three programs in four (the padding) only store zeros.
-C4_BLOCKS = 4
-#: ratio-128 pooling: (window rows per tile, channels per program, plan rows read per vector, warps)
+#: ratio-128 pooling, whole window in registers (``C128_STREAM_STAGES`` 0): (window rows per tile,
+#: channels per program, plan rows read per vector, warps)
 C128_TILE = (32, 32, 32, 4)
-#: ratio-128 pooling, streaming: 0 keeps the whole window in registers (``C128_TILE``); > 0 pools
-#: tile by tile with an online softmax, this many tiles in flight, with ``C128_STREAM_TILE`` (same
-#: fields as ``C128_TILE``). Off until the H200 sweep (``--only sweep``) has timed it: it holds one
-#: tile in registers instead of four, so more programs fit on an SM, but it adds a rescale per tile.
-C128_STREAM_STAGES = 0
-C128_STREAM_TILE = (16, 64, 32, 4)
+#: ratio-128 pooling: 0 keeps the whole window in registers (``C128_TILE``); > 0 pools tile by tile
+#: with an online softmax, this many tiles in flight, with ``C128_STREAM_TILE`` (same fields as
+#: ``C128_TILE``): one tile in registers instead of four, so more programs fit on an SM, for a
+#: rescale per tile. H200 sweep at 16K tokens (2026-12-04): 43.1 us streaming at (16, 32, 128, 2)
+#: with 3 stages, 47.2 at (16, 32, 64, 2), 52.5 for the whole window at (32, 32, 128, 4), 55.7 at
+#: (32, 32, 32, 4) (the default until then); at 4K tokens 14.9 us streaming against 13.1-17.6 for
+#: the whole window (tile-dependent).
+C128_STREAM_STAGES = 3
+C128_STREAM_TILE = (16, 32, 128, 2)
 #: ratio-128 pooling: plan rows per program. The grid has ``cdiv(plan rows, C128_ROWS_PER_PROGRAM)``
 #: programs along the rows (times the channel blocks), a function of the shape alone; program ``g``
-#: walks the plan rows ``g, g + G, ...``. At most one plan row in 128 (plus one per request) is an
-#: event, valid rows first, so at 128 rows per program each program pools about one event, and
-#: none is spent on padding alone (the H200 sweep: ``--only sweep``).
+#: walks the plan rows ``g, g + G, ...``: at most one plan row in 128 (plus one per request) is an
+#: event, valid rows first, so each program pools about one event. H200 sweep (streaming, 2026-12-04):
+#: 16K tokens 45.1 us at 64 rows, 47.2 at 128, 43.3 at 256; 4K tokens 18.1, 15.3 and 22.7 us.
 C128_ROWS_PER_PROGRAM = 128
 if os.environ.get("TRITON_INTERPRET") == "1":
     # the interpreter runs programs one after the other: one program along the rows of a test's
@@ -474,11 +454,9 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
     if r == 4:
         events, channels, warps = c4_tile(head_dim)
         channels = _channel_block(head_dim, channels)
-        row_programs = cdiv(cdiv(plan.shape[0], events), C4_BLOCKS)
-        launch(_pool_c4_kernel)[(row_programs * (head_dim // channels),)](
+        launch(_pool_c4_kernel)[(cdiv(plan.shape[0], events) * (head_dim // channels),)](
             kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs,
-            HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, BLOCKS=C4_BLOCKS, CHANNELS_FASTEST=CHANNELS_FASTEST,
-            num_warps=warps,
+            HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, CHANNELS_FASTEST=CHANNELS_FASTEST, num_warps=warps,
         )
     else:
         rows, channels, chunk, warps = C128_STREAM_TILE if C128_STREAM_STAGES else C128_TILE

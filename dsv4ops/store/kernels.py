@@ -2,8 +2,8 @@
 
 ``_store_main_kernel`` (D = 512: FP8 pack or bf16) and ``_store_indexer_kernel``
 (D = 128: Hadamard, then FP8 or FP4). Each program takes blocks of ``BLOCK_M`` rows
-(one in decode; ``PREFILL_BLOCKS`` in prefill, strided over the padded plan so that
-no program reads only padding): RMSNorm, RoPE, (Hadamard), quantization and the
+(one in decode; ``PREFILL_BLOCKS`` in prefill, strided over the padded plan, so that
+fewer programs read only padding): RMSNorm, RoPE, (Hadamard), quantization and the
 paged scatter, all in registers; a block of rows with nothing to store (plan
 padding, decode rows off a chunk boundary) only reads its plan words. A block's
 rows are read while their cache slots are looked up. The arithmetic follows the pinned numerics of
@@ -206,10 +206,10 @@ if HAVE_TRITON:
             rows = row_blocks[i]
             candidate, loc_index = _store_rows(words0[i], words1[i], rows, num_rows, num_locs, IS_DECODE, RATIO)
             candidate, pos = _store_position(words0[i], candidate, num_freq_rows, RATIO)
+            loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
+            live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
             # plans are padded (prefill) or mostly off a boundary (decode): skip blocks with nothing to store
             if tl.max(candidate.to(tl.int32), axis=0) > 0:
-                loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
-                live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
                 _store_main_rows(kv_ptr, rows, candidate, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
                                  log2_page, BF16, SLOT_BYTES, SCALE_STRIDE)
 
@@ -275,24 +275,27 @@ if HAVE_TRITON:
             rows = row_blocks[i]
             candidate, loc_index = _store_rows(words0[i], words1[i], rows, num_rows, num_locs, IS_DECODE, RATIO)
             candidate, pos = _store_position(words0[i], candidate, num_freq_rows, RATIO)
+            loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
+            live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
             # plans are padded (prefill) or mostly off a boundary (decode): skip blocks with nothing to store
             if tl.max(candidate.to(tl.int32), axis=0) > 0:
-                loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
-                live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
                 _store_indexer_rows(kv_ptr, rows, candidate, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
                                     log2_page, FP4, SLOT_BYTES, SCALE_STRIDE, BLOCK_M)
 
 
 #: rows per program, per format family: (prefill, decode). H200 sweep at 16K tokens (2026-12-03,
 #: fifth session): main 7.14 us at 8 rows, 7.50 at 4, 9.35 at 16; indexer 6.01 us at 4, 6.15 at 8,
-#: 6.34 at 16 (the value until then).
-BLOCK_M = {"main": (8, 2), "indexer": (4, 4)}
-#: prefill: row blocks per program, per compress ratio (decode: 1). A prefill plan is padded to the
-#: token count and at most one row in ``ratio`` (plus one per request) stores a token, valid rows
-#: first; with strided blocks (see the kernels) each program meets about one block with rows to
-#: store, instead of most programs reading only padding.
-PREFILL_BLOCKS = {4: 4, 128: 8}
-
+#: 6.34 at 16; with row blocks (2026-12-04, below): indexer 5.42 us at 8 rows x 4 blocks.
+BLOCK_M = {"main": (8, 2), "indexer": (8, 4)}
+#: prefill: row blocks per program, per (format family, compress ratio); decode: 1. A prefill plan is
+#: padded to the token count and at most one row in ``ratio`` (plus one per request) stores a token,
+#: valid rows first; with strided blocks (see the kernels) a program meets a block with rows to
+#: store and blocks of padding, instead of whole programs reading only padding. H200 sweep at 16K
+#: tokens (2026-12-04): ratio-4 main 6.45 us at 2 blocks of 8 rows, 6.99 at 1, 7.73 at 4; ratio-4
+#: indexer 5.42 us at 4 blocks of 8, 5.87 at 1; ratio-128 main 3.53 us at 1 block of 8, 3.78 at 2.
+#: (A gain of 10% at best, near the run-to-run spread: these kernels are bound by the latency of
+#: the plan, slot and row loads one after the other, not by the blocks of padding.)
+PREFILL_BLOCKS = {("main", 4): 2, ("indexer", 4): 4, ("main", 128): 1, ("indexer", 128): 1}
 
 def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is_decode, compress_ratio, page_size,
                     use_fp4=False, bf16_store=False) -> None:
@@ -300,10 +303,11 @@ def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is
     head_dim = kv.shape[1]
     layout = CacheLayout(cache_format(head_dim, use_fp4, bf16_store), page_size)
     main = head_dim == 512
-    block_m = BLOCK_M["main" if main else "indexer"][1 if is_decode else 0]
+    kind = "main" if main else "indexer"
+    block_m = BLOCK_M[kind][1 if is_decode else 0]
     kernel = _store_main_kernel if main else _store_indexer_kernel
     flag = dict(BF16=bool(bf16_store)) if main else dict(FP4=bool(use_fp4))
-    blocks = 1 if is_decode else PREFILL_BLOCKS[int(compress_ratio)]
+    blocks = 1 if is_decode else PREFILL_BLOCKS[kind, int(compress_ratio)]
     launch(kernel)[(cdiv(cdiv(kv.shape[0], block_m), blocks),)](
         kv, plan.view(torch.int32), norm_weight, freqs, out_loc, kvcache,
         kv.shape[0], out_loc.shape[0], freqs.shape[0], kvcache.numel() // layout.page_bytes, fp32(norm_eps),
