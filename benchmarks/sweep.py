@@ -1,11 +1,11 @@
 """Launch-parameter sweep: ``python -m benchmarks.run --only sweep [--out DIR]``.
 
 Times each launch parameter of the Triton kernels (tiles, rows per program, channel blocks,
-warps, grid order, the ratio-128 step's plan launch, tile-by-tile ratio-128 pooling) with the
-kernel alone replayed in a CUDA graph, on the shapes of the benchmark grid, and prints every
-candidate's time and, per group, the fastest. The grid's setups, byte counts, timing and
-settings come from ``benchmarks/run.py``, passed in as it runs (``__main__`` under ``python
--m``). Each candidate is set for its timing only, and the module constants are restored after.
+warps, grid order, the ratio-128 step's plan launch, tile-by-tile ratio-128 pooling, pipelined
+ratio-4 pooling) with the kernel alone replayed in a CUDA graph, on the shapes of the benchmark
+grid, and prints every candidate's time and, per group, the fastest. The grid's setups, byte
+counts, timing and settings come from ``benchmarks/run.py``, passed in as it runs (``__main__``
+under ``python -m``). Each candidate is set for its timing only, and the module constants are restored after.
 A GPU session makes the winners the defaults (``docs/performance.md``, "The sweep").
 """
 
@@ -29,6 +29,11 @@ SWEEP_C128_ROWS_PER_PROGRAM = [128, 64, 256]
 SWEEP_C128_STREAM = [((16, 32, 64, 2), 3), ((16, 64, 32, 4), 2), ((16, 64, 32, 4), 3), ((32, 32, 32, 4), 2),
                      ((32, 32, 32, 4), 3), ((32, 64, 32, 8), 2), ((16, 32, 32, 2), 2), ((16, 128, 32, 8), 2),
                      ((16, 64, 64, 4), 2), ((16, 64, 128, 4), 2), ((8, 128, 64, 4), 3), ((16, 32, 128, 2), 3)]
+#: ratio-4 pooling with row blocks in a pipelined loop (``C4_STREAM_STAGES`` > 0): ((events,
+#: channels, warps), row blocks per program, stages); the one-block kernel (stages 0, ``C4_TILE``)
+#: is the first candidate, to compare against
+SWEEP_C4_STREAM = [((8, 32, 2), 4, 2), ((8, 32, 2), 4, 3), ((8, 32, 2), 2, 2), ((8, 32, 2), 8, 2), ((4, 32, 2), 8, 3),
+                   ((4, 32, 2), 4, 2), ((4, 64, 2), 4, 2), ((8, 64, 4), 4, 2), ((8, 32, 4), 4, 3), ((16, 32, 4), 2, 2)]
 SWEEP_DECODE_BLOCK_D = {128: [32, 64, 16], 4: [128, 64, 256]}
 SWEEP_C4_WARPS = {512: [8, 4, 16], 128: [4, 2, 8]}
 SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
@@ -89,15 +94,15 @@ def sweep_tiles(grid):
     128; 4K and 16K tokens), the store's rows and row blocks per program (prefill, 16K tokens), the
     decode channel blocks (compress_forward decode; for ratio 128 also the fused step), the warps of the ratio-4 fused step (batch 128), and the order
     of the pooling and decode grids (``CHANNELS_FASTEST``), and whether ratio 128's fused step plans
-    in a launch of its own (``C128_PLAN_LAUNCH``), and ratio 128's prefill pooling tile by tile
-    (``C128_STREAM_STAGES``). Each group ends with its fastest candidate."""
+    in a launch of its own (``C128_PLAN_LAUNCH``), ratio 128's prefill pooling tile by tile
+    (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a pipelined loop (``C4_STREAM_STAGES``). Each group ends with its fastest candidate."""
     cases = ((16384, 1), (16384, 32), (4096, 1))
     c4, c128, rpps, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_ROWS_PER_PROGRAM, SWEEP_STORE_BLOCK_M
-    store_blocks, streams = SWEEP_STORE_BLOCKS, SWEEP_C128_STREAM
+    store_blocks, streams, c4_streams = SWEEP_STORE_BLOCKS, SWEEP_C128_STREAM, SWEEP_C4_STREAM
     block_ds, warps = SWEEP_DECODE_BLOCK_D, SWEEP_C4_WARPS
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         cases = ((grid.PREFILL_TOKENS[0], 32),)
-        c4, c128, rpps, block_ms, streams = c4[:2], c128[:2], [8], block_ms[:2], streams[:1]
+        c4, c128, rpps, block_ms, streams, c4_streams = c4[:2], c128[:2], [8], block_ms[:2], streams[:1], c4_streams[:1]
         store_blocks = store_blocks[:2]
         block_ds, warps = ({k: v[:2] for k, v in table.items()} for table in (block_ds, warps))
     for config in grid.GRID_CONFIGS:
@@ -117,6 +122,13 @@ def sweep_tiles(grid):
                          for tile, rpp in pairs]
             _sweep(grid, f"prefill {shape}", nbytes, run, tiles)
             _sweep(grid, f"grid order, prefill {shape}", nbytes, run, _grid_orders())
+            if r == 4:  # one block of rows per program, against blocks in a pipelined loop
+                _sweep(grid, f"pipelined, prefill {shape}", nbytes, run,
+                       [("C4_STREAM_STAGES 0 (one block per program)", [(ck, "C4_STREAM_STAGES", 0)])]
+                       + [(f"C4_STREAM_STAGES {stages} C4_STREAM_BLOCKS {blocks} C4_TILE[{D}] {tile}",
+                           [(ck, "C4_STREAM_STAGES", stages), (ck, "C4_STREAM_BLOCKS", blocks),
+                            (ck.C4_TILE, D, tile)])
+                          for tile, blocks, stages in c4_streams])
             if r == 128:  # the whole window in registers, against tile-by-tile pooling (online softmax)
                 _sweep(grid, f"streaming, prefill {shape}", nbytes, run,
                        [("C128_STREAM_STAGES 0 (whole window)", [(ck, "C128_STREAM_STAGES", 0)])]

@@ -203,6 +203,30 @@ def test_compress_kernels_channels_fastest_grid(case, monkeypatch):
     test_compress_kernels(case)
 
 
+@pytest.mark.parametrize("case", COMPRESS_CASES[:3], ids=_case_id)
+@pytest.mark.parametrize("events,blocks", [(2, 2), (8, 4)], ids=["2x2-rows", "8x4-rows"])
+def test_compress_kernels_ratio4_pipelined(case, events, blocks, monkeypatch):
+    """Ratio-4 prefill pooling with several row blocks per program in a pipelined loop
+    (``C4_STREAM_STAGES`` > 0, off by default) pools and writes as the one-block kernel; programs
+    whose rows are all plan padding store zeros without pooling (the NaN-poisoned output shows any
+    row left unwritten), and the trace has such programs."""
+    monkeypatch.setattr(compress_kernels, "C4_STREAM_STAGES", 2)
+    monkeypatch.setattr(compress_kernels, "C4_STREAM_BLOCKS", blocks)
+    monkeypatch.setattr(compress_kernels, "C4_TILE", {512: (events, 32, 2), 128: (events, 64, 4)})
+    test_compress_kernels(case)
+    # the same trace as test_compress_kernels: some program's rows are all padding, some mix both
+    sim = ServingSim(4, case["D"], max_seq_len=90, full_page_size=32, swa_page_size=16)
+    random_trace(sim, random.Random(2), 16)
+    kinds = set()
+    for step in sim.steps:
+        if not step.plan.is_decode:
+            padding = step.plan.plan_c.view(torch.int32)[:, 0] == -1
+            rows = events * blocks
+            padding = torch.cat([padding, torch.ones(-len(padding) % rows, dtype=torch.bool)]).view(-1, rows)
+            kinds |= {"all padding" if p.all() else "mixed" if p.any() else "no padding" for p in padding}
+    assert {"all padding", "mixed"} <= kinds, kinds
+
+
 @pytest.mark.parametrize("case", [COMPRESS_CASES[3], COMPRESS_CASES[4]], ids=_case_id)
 def test_compress_kernels_ratio128_streaming(case, monkeypatch):
     """Ratio-128 prefill pooling tile by tile with an online softmax (``C128_STREAM_STAGES``, the

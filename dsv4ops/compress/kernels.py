@@ -9,8 +9,9 @@ gives, and it needs no barrier.
 Prefill, pass 1 (pooling, every CompressPlan row):
 
 * ratio 4 (``_pool_c4_kernel``): one program per block of ``BLOCK_E`` consecutive
-  plan rows x ``BLOCK_D`` channels. Each of the 8 window rows is one 2-D tile
-  ``[BLOCK_E, BLOCK_D]`` (contiguous channels of one input or state row per event);
+  plan rows x ``BLOCK_D`` channels (or, with ``C4_STREAM_STAGES > 0``, per
+  ``C4_STREAM_BLOCKS`` such blocks in a software-pipelined loop). Each of the 8 window
+  rows is one 2-D tile ``[BLOCK_E, BLOCK_D]`` (contiguous channels of one input or state row per event);
   all 16 tiles (kv and score) are loaded before any arithmetic, so a program has all
   of its bytes in flight at once, and the softmax is a two-pass one over registers.
   Consecutive events of one request read consecutive input rows, so a program
@@ -204,64 +205,104 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ prefill, ratio 4
     @triton.jit
-    def _pool_c4_kernel(
-        state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs,
-        HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
-    ):
+    def _pool_c4_window(state_ptr, input_ptr, ape_ptr, d, valid, has_overlap, ragged, buffer_len, page0, page1,
+                        HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The pooled ``[BLOCK_E, BLOCK_D]`` tile of a block of ratio-4 events (zeros where not ``valid``):
+        all 16 window tiles (8 rows x kv, score) are loaded before any arithmetic, then a two-pass
+        softmax in registers."""
         D: tl.constexpr = HEAD_DIM
         WIDTH: tl.constexpr = 4 * HEAD_DIM
-        row_block, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
-        k = row_block.to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
-        d = block * BLOCK_D + tl.arange(0, BLOCK_D)
+        window_input = input_ptr + (ragged - 7)[:, None] * WIDTH + d[None, :]  # input row of window row 0
+        ring0 = state_ptr + (page0 * 4)[:, None] * WIDTH + d[None, :]
+        ring1 = state_ptr + (page1 * 4)[:, None] * WIDTH + d[None, :]
+        scores = ()
+        values = ()
+        for w in tl.static_range(8):
+            # window rows 0..3 use the A quarters [kv_A | . | score_A | .] of the previous chunk,
+            # rows 4..7 the B quarters [. | kv_B | . | score_B] of the current one
+            kv_col = 0 if w < 4 else D
+            if w < 4:
+                present = valid & has_overlap
+                ring_row = ring0 + w * WIDTH
+            else:
+                present = valid
+                ring_row = ring1 + (w - 4) * WIDTH
+            from_ring = (buffer_len > w)[:, None]
+            from_input = (present[:, None]) & ~from_ring
+            from_ring = present[:, None] & from_ring
+            at = window_input + w * WIDTH + kv_col
+            kv = tl.where(from_ring, tl.load(ring_row + kv_col, mask=from_ring, other=0.0).to(tl.float32),
+                          tl.load(at, mask=from_input, other=0.0).to(tl.float32))
+            score = tl.where(from_ring, tl.load(ring_row + kv_col + 2 * D, mask=from_ring, other=0.0).to(tl.float32),
+                             tl.load(at + 2 * D, mask=from_input, other=0.0).to(tl.float32))
+            ape = tl.load(ape_ptr + w * D + d).to(tl.float32)
+            scores = scores + (tl.where(present[:, None], score + ape[None, :], float("-inf")),)
+            values = values + (kv,)
+        m = scores[4]  # rows 4..7 always exist for a valid event
+        for w in tl.static_range(8):
+            if w != 4:
+                m = tl.maximum(m, scores[w])
+        m = tl.where(valid[:, None], m, 0.0)
+        num = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+        den = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+        for w in tl.static_range(8):
+            e = tl.exp(scores[w] - m)
+            den += e
+            num += e * values[w]
+        return tl.where(valid[:, None], num / den, 0.0)
+
+    @triton.jit
+    def _c4_plan_block(plan_ptr, k, num_events, num_state_rows, num_inputs):
+        """The plan fields of CompressPlan rows ``k`` (``in_plan``, ``valid``, and what the window needs)."""
         in_plan = k < num_events
         words = tl.load(plan_ptr + k[:, None] * 4 + tl.arange(0, 4)[None, :], mask=in_plan[:, None], other=-1)
         word0, seq_len, ragged, buffer_len, page0, page1 = _compress_plan_fields(words, in_plan)
         valid, has_overlap = _c4_event_valid(word0, seq_len, ragged, buffer_len, page0, page1,
                                              num_state_rows, num_inputs)
+        return in_plan, valid, has_overlap, ragged, buffer_len, page0, page1
 
-        result = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
-        # plans are padded to num_q_tokens rows, valid rows first: blocks of padding only write zeros
-        if tl.max(valid.to(tl.int32), axis=0) > 0:
-            window_input = input_ptr + (ragged - 7)[:, None] * WIDTH + d[None, :]  # input row of window row 0
-            ring0 = state_ptr + (page0 * 4)[:, None] * WIDTH + d[None, :]
-            ring1 = state_ptr + (page1 * 4)[:, None] * WIDTH + d[None, :]
-            scores = ()
-            values = ()
-            for w in tl.static_range(8):
-                # window rows 0..3 use the A quarters [kv_A | . | score_A | .] of the previous chunk,
-                # rows 4..7 the B quarters [. | kv_B | . | score_B] of the current one
-                kv_col = 0 if w < 4 else D
-                if w < 4:
-                    present = valid & has_overlap
-                    ring_row = ring0 + w * WIDTH
-                else:
-                    present = valid
-                    ring_row = ring1 + (w - 4) * WIDTH
-                from_ring = (buffer_len > w)[:, None]
-                from_input = (present[:, None]) & ~from_ring
-                from_ring = present[:, None] & from_ring
-                at = window_input + w * WIDTH + kv_col
-                kv = tl.where(from_ring, tl.load(ring_row + kv_col, mask=from_ring, other=0.0).to(tl.float32),
-                              tl.load(at, mask=from_input, other=0.0).to(tl.float32))
-                score = tl.where(from_ring, tl.load(ring_row + kv_col + 2 * D, mask=from_ring, other=0.0).to(tl.float32),
-                                 tl.load(at + 2 * D, mask=from_input, other=0.0).to(tl.float32))
-                ape = tl.load(ape_ptr + w * D + d).to(tl.float32)
-                scores = scores + (tl.where(present[:, None], score + ape[None, :], float("-inf")),)
-                values = values + (kv,)
-            m = scores[4]  # rows 4..7 always exist for a valid event
-            for w in tl.static_range(8):
-                if w != 4:
-                    m = tl.maximum(m, scores[w])
-            m = tl.where(valid[:, None], m, 0.0)
-            num = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
-            den = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
-            for w in tl.static_range(8):
-                e = tl.exp(scores[w] - m)
-                den += e
-                num += e * values[w]
-            result = tl.where(valid[:, None], num / den, 0.0)
-        tl.store(out_ptr + k[:, None] * D + d[None, :], cast_rne(result, out_ptr.dtype.element_ty),
-                 mask=in_plan[:, None])
+    @triton.jit
+    def _pool_c4_kernel(
+        state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs,
+        HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKS: tl.constexpr,
+        STAGES: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
+    ):
+        """Pool ``BLOCKS`` consecutive blocks of ``BLOCK_E`` CompressPlan rows for one channel block.
+
+        ``STAGES == 0`` (``BLOCKS`` 1): one block, its window tiles skipped when none of its rows is
+        valid. ``STAGES > 0``: the blocks in a loop that Triton software-pipelines (the next
+        blocks' plan and window loads in flight while one is pooled); a program whose rows are
+        all invalid (plan padding) only stores zeros."""
+        D: tl.constexpr = HEAD_DIM
+        out_dtype = out_ptr.dtype.element_ty
+        row_program, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
+        d = block * BLOCK_D + tl.arange(0, BLOCK_D)
+        first = row_program.to(tl.int64) * (BLOCKS * BLOCK_E)
+        if STAGES == 0:
+            k = first + tl.arange(0, BLOCK_E)
+            in_plan, valid, has_overlap, ragged, buffer_len, page0, page1 = _c4_plan_block(
+                plan_ptr, k, num_events, num_state_rows, num_inputs)
+            result = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+            # plans are padded to num_q_tokens rows, valid rows first: blocks of padding only write zeros
+            if tl.max(valid.to(tl.int32), axis=0) > 0:
+                result = _pool_c4_window(state_ptr, input_ptr, ape_ptr, d, valid, has_overlap, ragged, buffer_len,
+                                         page0, page1, HEAD_DIM, BLOCK_E, BLOCK_D)
+            tl.store(out_ptr + k[:, None] * D + d[None, :], cast_rne(result, out_dtype), mask=in_plan[:, None])
+        else:
+            ks = first + tl.arange(0, BLOCKS * BLOCK_E)
+            in_program, any_valid, _, _, _, _, _ = _c4_plan_block(plan_ptr, ks, num_events, num_state_rows, num_inputs)
+            if tl.max(any_valid.to(tl.int32), axis=0) > 0:
+                for i in tl.range(0, BLOCKS, num_stages=STAGES):
+                    k = first + i * BLOCK_E + tl.arange(0, BLOCK_E)
+                    in_block, valid, has_overlap, ragged, buffer_len, page0, page1 = _c4_plan_block(
+                        plan_ptr, k, num_events, num_state_rows, num_inputs)
+                    result = _pool_c4_window(state_ptr, input_ptr, ape_ptr, d, valid, has_overlap, ragged,
+                                             buffer_len, page0, page1, HEAD_DIM, BLOCK_E, BLOCK_D)
+                    tl.store(out_ptr + k[:, None] * D + d[None, :], cast_rne(result, out_dtype),
+                             mask=in_block[:, None])
+            else:
+                zero = tl.zeros([BLOCKS * BLOCK_E, BLOCK_D], tl.float32)
+                tl.store(out_ptr + ks[:, None] * D + d[None, :], zero.to(out_dtype), mask=in_program[:, None])
 
     # ------------------------------------------------------------------ prefill, ratio 128
     @triton.jit
@@ -393,6 +434,14 @@ DECODE_BLOCK_D = {4: 256, 128: 32}
 #: tile until then); D 128 14.7 us at (8, 64, 4), 21.4 at (16, 64, 4). Other head_dims take the
 #: tile of the nearer of the two.
 C4_TILE = {512: (8, 32, 2), 128: (8, 64, 4)}
+#: ratio-4 pooling, pipelined: 0 gives each block of ``BLOCK_E`` plan rows a program of its own
+#: (the default, timed on the H200); > 0 gives each program ``C4_STREAM_BLOCKS`` consecutive
+#: blocks in a loop that Triton software-pipelines this many blocks deep, so that a program has
+#: the next blocks' loads in flight while it pools one (what made the ratio-128 pool 22% faster).
+#: Off until the H200 sweep (``--only sweep``) has timed it: the ncu profile (2026-12-04) shows
+#: the one-block kernel latency-bound at 21.5% achieved occupancy and 58.9% of DRAM peak.
+C4_STREAM_STAGES = 0
+C4_STREAM_BLOCKS = 4
 #: ratio-128 pooling, whole window in registers (``C128_STREAM_STAGES`` 0): (window rows per tile,
 #: channels per program, plan rows read per vector, warps)
 C128_TILE = (32, 32, 32, 4)
@@ -454,9 +503,11 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
     if r == 4:
         events, channels, warps = c4_tile(head_dim)
         channels = _channel_block(head_dim, channels)
-        launch(_pool_c4_kernel)[(cdiv(plan.shape[0], events) * (head_dim // channels),)](
+        blocks = C4_STREAM_BLOCKS if C4_STREAM_STAGES else 1
+        launch(_pool_c4_kernel)[(cdiv(plan.shape[0], events * blocks) * (head_dim // channels),)](
             kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs,
-            HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, CHANNELS_FASTEST=CHANNELS_FASTEST, num_warps=warps,
+            HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, BLOCKS=blocks, STAGES=C4_STREAM_STAGES,
+            CHANNELS_FASTEST=CHANNELS_FASTEST, num_warps=warps,
         )
     else:
         rows, channels, chunk, warps = C128_STREAM_TILE if C128_STREAM_STAGES else C128_TILE
