@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +99,8 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 4 / ms / 1e6
 
 
+#: --groups: the sweep times only the groups whose name this pattern matches (``re.search``)
+SWEEP_GROUPS = None
 DRY_RUN = False  # --dry-run: tiny shapes on the CPU, every timed call run once (checks the script, times nothing)
 
 
@@ -113,13 +117,14 @@ def bench_ref(fn, rep=150):
     are, so the speedups compare GPU work with GPU work, not kernels with Python. A reference that
     cannot be captured is timed with ``do_bench`` (its host launch cost included) and the run says
     so. A failure (e.g. an Inductor error compiling it) prints one line and gives NaN, so one broken
-    comparison does not end the run; the dry run still raises."""
+    comparison does not end the run (its whole traceback goes to stderr); the dry run still raises."""
     if DRY_RUN:
         return bench(fn)
     try:
         return median_us(fn, rep, fallback=True)
     except Exception as e:  # noqa: BLE001 -- reported, then the row goes on without this comparison
         print(f"  reference failed: {type(e).__name__}: {first_line(e)[:200]}", flush=True)
+        traceback.print_exc()
         torch._dynamo.reset()
         return float("nan")
 
@@ -560,7 +565,7 @@ def _select(configs, batches, tokens):
 
 
 def main(argv=None):
-    global COPY_BW, OUT_DIR
+    global COPY_BW, OUT_DIR, SWEEP_GROUPS
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a reduced grid that fits one 10-minute device call")
     parser.add_argument("--out", default="docs")
@@ -572,6 +577,8 @@ def main(argv=None):
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="only these compressor configs")
     parser.add_argument("--batches", nargs="+", type=int, help=f"decode batch sizes (default {DECODE_BATCHES})")
     parser.add_argument("--tokens", nargs="+", type=int, help=f"prefill token counts (default {PREFILL_TOKENS})")
+    parser.add_argument("--groups", metavar="REGEX",
+                        help="sweep only the groups whose name matches, e.g. 'pipelined' or '^store'")
     args = parser.parse_args(argv)
     if args.replot:
         os.makedirs(args.out, exist_ok=True)
@@ -579,6 +586,7 @@ def main(argv=None):
     if args.dry_run:
         _configure_dry_run()
     _select(args.configs, args.batches, args.tokens)
+    SWEEP_GROUPS = re.compile(args.groups) if args.groups else None
     OUT_DIR = args.out
     os.makedirs(OUT_DIR, exist_ok=True)
     csv_path = os.path.join(OUT_DIR, "benchmarks.csv")

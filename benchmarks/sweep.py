@@ -66,7 +66,10 @@ def _using(*settings):
 
 def _sweep(grid, name, nbytes, fn, candidates):
     """Time ``fn`` under each candidate ``(label, [(target, key, value), ...])`` (see ``_using``);
-    print every time and, last, the fastest candidate."""
+    print every time and, last, the fastest candidate. Groups whose name ``--groups`` does not match
+    are skipped."""
+    if grid.SWEEP_GROUPS is not None and not grid.SWEEP_GROUPS.search(name):
+        return
     results = []
     for label, settings in candidates:
         try:
@@ -129,6 +132,11 @@ def sweep_tiles(grid):
                            [(ck, "C4_STREAM_STAGES", stages), (ck, "C4_STREAM_BLOCKS", blocks),
                             (ck.C4_TILE, D, tile)])
                           for tile, blocks, stages in c4_streams])
+                _sweep(grid, f"grid order, pipelined, prefill {shape}", nbytes, run,
+                       [(f"C4_STREAM_STAGES {stages} C4_STREAM_BLOCKS {blocks} C4_TILE[{D}] {tile} CHANNELS_FASTEST True",
+                         [(ck, "C4_STREAM_STAGES", stages), (ck, "C4_STREAM_BLOCKS", blocks), (ck.C4_TILE, D, tile),
+                          (ck, "CHANNELS_FASTEST", True)])
+                        for tile, blocks, stages in c4_streams[:3]])
             if r == 128:  # the whole window in registers, against tile-by-tile pooling (online softmax)
                 _sweep(grid, f"streaming, prefill {shape}", nbytes, run,
                        [("C128_STREAM_STAGES 0 (whole window)", [(ck, "C128_STREAM_STAGES", 0)])]
