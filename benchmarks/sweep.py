@@ -34,6 +34,9 @@ SWEEP_C128_STREAM = [((16, 32, 64, 2), 3), ((16, 64, 32, 4), 2), ((16, 64, 32, 4
 #: is the first candidate, to compare against
 SWEEP_C4_STREAM = [((8, 32, 2), 4, 2), ((8, 32, 2), 4, 3), ((8, 32, 2), 2, 2), ((8, 32, 2), 8, 2), ((4, 32, 2), 8, 3),
                    ((4, 32, 2), 4, 2), ((4, 64, 2), 4, 2), ((8, 64, 4), 4, 2), ((8, 32, 4), 4, 3), ((16, 32, 4), 2, 2)]
+#: prefill write pass (``WRITE_TILE``): (rows, columns) per program; most programs of a prefill
+#: only find plan padding, so fewer rows per program means more programs that do nothing
+SWEEP_WRITE_TILE = [(8, 1024), (16, 512), (32, 256), (64, 128), (32, 512)]
 SWEEP_DECODE_BLOCK_D = {128: [32, 64, 16], 4: [128, 64, 256]}
 SWEEP_C4_WARPS = {512: [8, 4, 16], 128: [4, 2, 8]}
 SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
@@ -98,15 +101,16 @@ def sweep_tiles(grid):
     decode channel blocks (compress_forward decode; for ratio 128 also the fused step), the warps of the ratio-4 fused step (batch 128), and the order
     of the pooling and decode grids (``CHANNELS_FASTEST``), and whether ratio 128's fused step plans
     in a launch of its own (``C128_PLAN_LAUNCH``), ratio 128's prefill pooling tile by tile
-    (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a pipelined loop (``C4_STREAM_STAGES``). Each group ends with its fastest candidate."""
+    (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a pipelined loop (``C4_STREAM_STAGES``),
+    and the prefill write pass's tile (``WRITE_TILE``). Each group ends with its fastest candidate."""
     cases = ((16384, 1), (16384, 32), (4096, 1))
     c4, c128, rpps, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_ROWS_PER_PROGRAM, SWEEP_STORE_BLOCK_M
     store_blocks, streams, c4_streams = SWEEP_STORE_BLOCKS, SWEEP_C128_STREAM, SWEEP_C4_STREAM
-    block_ds, warps = SWEEP_DECODE_BLOCK_D, SWEEP_C4_WARPS
+    block_ds, warps, write_tiles = SWEEP_DECODE_BLOCK_D, SWEEP_C4_WARPS, SWEEP_WRITE_TILE
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         cases = ((grid.PREFILL_TOKENS[0], 32),)
         c4, c128, rpps, block_ms, streams, c4_streams = c4[:2], c128[:2], [8], block_ms[:2], streams[:1], c4_streams[:1]
-        store_blocks = store_blocks[:2]
+        store_blocks, write_tiles = store_blocks[:2], write_tiles[:2]
         block_ds, warps = ({k: v[:2] for k, v in table.items()} for table in (block_ds, warps))
     for config in grid.GRID_CONFIGS:
         for tokens, requests in cases:
@@ -125,6 +129,8 @@ def sweep_tiles(grid):
                          for tile, rpp in pairs]
             _sweep(grid, f"prefill {shape}", nbytes, run, tiles)
             _sweep(grid, f"grid order, prefill {shape}", nbytes, run, _grid_orders())
+            _sweep(grid, f"write tile, prefill {shape}", nbytes, run,
+                   [(f"WRITE_TILE {tile}", [(ck, "WRITE_TILE", tile)]) for tile in write_tiles])
             if r == 4:  # one block of rows per program, against blocks in a pipelined loop
                 _sweep(grid, f"pipelined, prefill {shape}", nbytes, run,
                        [("C4_STREAM_STAGES 0 (one block per program)", [(ck, "C4_STREAM_STAGES", 0)])]
