@@ -29,11 +29,14 @@ SWEEP_C128_ROWS_PER_PROGRAM = [128, 64, 256]
 SWEEP_C128_STREAM = [((16, 32, 64, 2), 3), ((16, 64, 32, 4), 2), ((16, 64, 32, 4), 3), ((32, 32, 32, 4), 2),
                      ((32, 32, 32, 4), 3), ((32, 64, 32, 8), 2), ((16, 32, 32, 2), 2), ((16, 128, 32, 8), 2),
                      ((16, 64, 64, 4), 2), ((16, 64, 128, 4), 2), ((8, 128, 64, 4), 3), ((16, 32, 128, 2), 3)]
-#: ratio-4 pooling with row blocks in a pipelined loop (``C4_STREAM_STAGES`` > 0): ((events,
+#: ratio-4 pooling with row blocks in a pipelined loop (``C4_STREAM`` stages > 0): ((events,
 #: channels, warps), row blocks per program, stages); the one-block kernel (stages 0, ``C4_TILE``)
 #: is the first candidate, to compare against
 SWEEP_C4_STREAM = [((8, 32, 2), 4, 2), ((8, 32, 2), 4, 3), ((8, 32, 2), 2, 2), ((8, 32, 2), 8, 2), ((4, 32, 2), 8, 3),
                    ((4, 32, 2), 4, 2), ((4, 64, 2), 4, 2), ((8, 64, 4), 4, 2), ((8, 32, 4), 4, 3), ((16, 32, 4), 2, 2)]
+#: the same with the channel blocks of one row block together (``CHANNELS_FASTEST``): the H100's
+#: fastest D 512 candidates (2026-12-05) and the indexer's
+SWEEP_C4_STREAM_CHANNELS_FASTEST = [((8, 32, 2), 4, 2), ((4, 64, 2), 4, 2), ((8, 32, 2), 2, 2), ((8, 64, 4), 2, 2)]
 #: prefill write pass (``WRITE_TILE``): (rows, columns) per program; most programs of a prefill
 #: only find plan padding, so fewer rows per program means more programs that do nothing
 SWEEP_WRITE_TILE = [(8, 1024), (16, 512), (32, 256), (64, 128), (32, 512)]
@@ -101,16 +104,17 @@ def sweep_tiles(grid):
     decode channel blocks (compress_forward decode; for ratio 128 also the fused step), the warps of the ratio-4 fused step (batch 128), and the order
     of the pooling and decode grids (``CHANNELS_FASTEST``), and whether ratio 128's fused step plans
     in a launch of its own (``C128_PLAN_LAUNCH``), ratio 128's prefill pooling tile by tile
-    (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a pipelined loop (``C4_STREAM_STAGES``),
+    (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a pipelined loop (``C4_STREAM``),
     and the prefill write pass's tile (``WRITE_TILE``). Each group ends with its fastest candidate."""
     cases = ((16384, 1), (16384, 32), (4096, 1))
     c4, c128, rpps, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_ROWS_PER_PROGRAM, SWEEP_STORE_BLOCK_M
     store_blocks, streams, c4_streams = SWEEP_STORE_BLOCKS, SWEEP_C128_STREAM, SWEEP_C4_STREAM
+    c4_streams_fastest = SWEEP_C4_STREAM_CHANNELS_FASTEST
     block_ds, warps, write_tiles = SWEEP_DECODE_BLOCK_D, SWEEP_C4_WARPS, SWEEP_WRITE_TILE
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         cases = ((grid.PREFILL_TOKENS[0], 32),)
         c4, c128, rpps, block_ms, streams, c4_streams = c4[:2], c128[:2], [8], block_ms[:2], streams[:1], c4_streams[:1]
-        store_blocks, write_tiles = store_blocks[:2], write_tiles[:2]
+        store_blocks, write_tiles, c4_streams_fastest = store_blocks[:2], write_tiles[:2], c4_streams_fastest[:1]
         block_ds, warps = ({k: v[:2] for k, v in table.items()} for table in (block_ds, warps))
     for config in grid.GRID_CONFIGS:
         for tokens, requests in cases:
@@ -132,17 +136,19 @@ def sweep_tiles(grid):
             _sweep(grid, f"write tile, prefill {shape}", nbytes, run,
                    [(f"WRITE_TILE {tile}", [(ck, "WRITE_TILE", tile)]) for tile in write_tiles])
             if r == 4:  # one block of rows per program, against blocks in a pipelined loop
+                key = 512 if D > 256 else 128
+
+                def pipelined(tile, blocks, stages):
+                    return [(ck.C4_STREAM, key, (stages, blocks)), (ck.C4_TILE, key, tile)]
+
                 _sweep(grid, f"pipelined, prefill {shape}", nbytes, run,
-                       [("C4_STREAM_STAGES 0 (one block per program)", [(ck, "C4_STREAM_STAGES", 0)])]
-                       + [(f"C4_STREAM_STAGES {stages} C4_STREAM_BLOCKS {blocks} C4_TILE[{D}] {tile}",
-                           [(ck, "C4_STREAM_STAGES", stages), (ck, "C4_STREAM_BLOCKS", blocks),
-                            (ck.C4_TILE, D, tile)])
+                       [(f"C4_STREAM[{key}] (0, -) (one block per program)", [(ck.C4_STREAM, key, (0, 1))])]
+                       + [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile}", pipelined(tile, blocks, stages))
                           for tile, blocks, stages in c4_streams])
                 _sweep(grid, f"grid order, pipelined, prefill {shape}", nbytes, run,
-                       [(f"C4_STREAM_STAGES {stages} C4_STREAM_BLOCKS {blocks} C4_TILE[{D}] {tile} CHANNELS_FASTEST True",
-                         [(ck, "C4_STREAM_STAGES", stages), (ck, "C4_STREAM_BLOCKS", blocks), (ck.C4_TILE, D, tile),
-                          (ck, "CHANNELS_FASTEST", True)])
-                        for tile, blocks, stages in c4_streams[:3]])
+                       [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile} CHANNELS_FASTEST True",
+                         pipelined(tile, blocks, stages) + [(ck, "CHANNELS_FASTEST", True)])
+                        for tile, blocks, stages in c4_streams_fastest])
             if r == 128:  # the whole window in registers, against tile-by-tile pooling (online softmax)
                 _sweep(grid, f"streaming, prefill {shape}", nbytes, run,
                        [("C128_STREAM_STAGES 0 (whole window)", [(ck, "C128_STREAM_STAGES", 0)])]

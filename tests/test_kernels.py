@@ -207,11 +207,10 @@ def test_compress_kernels_channels_fastest_grid(case, monkeypatch):
 @pytest.mark.parametrize("events,blocks", [(2, 2), (8, 4)], ids=["2x2-rows", "8x4-rows"])
 def test_compress_kernels_ratio4_pipelined(case, events, blocks, monkeypatch):
     """Ratio-4 prefill pooling with several row blocks per program in a pipelined loop
-    (``C4_STREAM_STAGES`` > 0, off by default) pools and writes as the one-block kernel; programs
+    (``C4_STREAM`` stages > 0, off by default) pools and writes as the one-block kernel; programs
     whose rows are all plan padding store zeros without pooling (the NaN-poisoned output shows any
     row left unwritten), and the trace has such programs."""
-    monkeypatch.setattr(compress_kernels, "C4_STREAM_STAGES", 2)
-    monkeypatch.setattr(compress_kernels, "C4_STREAM_BLOCKS", blocks)
+    monkeypatch.setattr(compress_kernels, "C4_STREAM", {512: (2, blocks), 128: (2, blocks)})
     monkeypatch.setattr(compress_kernels, "C4_TILE", {512: (events, 32, 2), 128: (events, 64, 4)})
     test_compress_kernels(case)
     # the same trace as test_compress_kernels: some program's rows are all padding, some mix both

@@ -9,8 +9,8 @@ gives, and it needs no barrier.
 Prefill, pass 1 (pooling, every CompressPlan row):
 
 * ratio 4 (``_pool_c4_kernel``): one program per block of ``BLOCK_E`` consecutive
-  plan rows x ``BLOCK_D`` channels (or, with ``C4_STREAM_STAGES > 0``, per
-  ``C4_STREAM_BLOCKS`` such blocks in a software-pipelined loop). Each of the 8 window
+  plan rows x ``BLOCK_D`` channels (or, where ``C4_STREAM`` sets stages > 0 for the
+  head_dim, per several such blocks in a software-pipelined loop). Each of the 8 window
   rows is one 2-D tile ``[BLOCK_E, BLOCK_D]`` (contiguous channels of one input or state row per event);
   all 16 tiles (kv and score) are loaded before any arithmetic, so a program has all
   of its bytes in flight at once, and the softmax is a two-pass one over registers.
@@ -434,14 +434,18 @@ DECODE_BLOCK_D = {4: 256, 128: 32}
 #: tile until then); D 128 14.7 us at (8, 64, 4), 21.4 at (16, 64, 4). Other head_dims take the
 #: tile of the nearer of the two.
 C4_TILE = {512: (8, 32, 2), 128: (8, 64, 4)}
-#: ratio-4 pooling, pipelined: 0 gives each block of ``BLOCK_E`` plan rows a program of its own
-#: (the default, timed on the H200); > 0 gives each program ``C4_STREAM_BLOCKS`` consecutive
-#: blocks in a loop that Triton software-pipelines this many blocks deep, so that a program has
-#: the next blocks' loads in flight while it pools one (what made the ratio-128 pool 22% faster).
-#: Off until the H200 sweep (``--only sweep``) has timed it: the ncu profile (2026-12-04) shows
-#: the one-block kernel latency-bound at 21.5% achieved occupancy and 58.9% of DRAM peak.
-C4_STREAM_STAGES = 0
-C4_STREAM_BLOCKS = 4
+#: ratio-4 pooling, pipelined, per head_dim (keyed as ``C4_TILE``): (stages, row blocks per
+#: program). Stages 0 gives each block of ``BLOCK_E`` plan rows a program of its own (the blocks
+#: entry is then unused); stages > 0 gives each program that many consecutive blocks in a loop
+#: that Triton software-pipelines this many blocks deep, so that a program has the next blocks'
+#: loads in flight while it pools one (what made the ratio-128 pool 22% faster). The ncu profile
+#: (H200, 2026-12-04) shows the one-block kernel latency-bound at 21.5% achieved occupancy and
+#: 58.9% of DRAM peak. H100 sweep at 16K tokens (2026-12-05, ninth session): D 512 68.2 us at 2
+#: stages x 4 blocks with ``CHANNELS_FASTEST`` (84% of copy bandwidth), 69.2 at tile (4, 64, 2),
+#: against 73.3-74.1 us for one block per program in the grid; D 128 20.65 us at one block per
+#: program, 20.94 at best pipelined. Off for both until it has run against the reference on a GPU
+#: and been timed on the H200 (docs/gpu-results.md).
+C4_STREAM = {512: (0, 4), 128: (0, 4)}
 #: ratio-128 pooling, whole window in registers (``C128_STREAM_STAGES`` 0): (window rows per tile,
 #: channels per program, plan rows read per vector, warps)
 C128_TILE = (32, 32, 32, 4)
@@ -477,6 +481,13 @@ def c4_tile(head_dim: int) -> tuple:
     return C4_TILE[512 if head_dim > 256 else 128]
 
 
+def c4_stream(head_dim: int) -> tuple:
+    """The ratio-4 pooling's (stages, row blocks per program) (``C4_STREAM``) for ``head_dim``;
+    one block per program, (0, 1), when stages is 0."""
+    stages, blocks = C4_STREAM[512 if head_dim > 256 else 128]
+    return (stages, blocks) if stages else (0, 1)
+
+
 def _channel_block(head_dim: int, wanted: int) -> int:
     """Largest power of two <= ``wanted`` that divides ``head_dim`` (kernels need no channel masks)."""
     block = min(wanted, next_pow2(head_dim))
@@ -503,10 +514,10 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
     if r == 4:
         events, channels, warps = c4_tile(head_dim)
         channels = _channel_block(head_dim, channels)
-        blocks = C4_STREAM_BLOCKS if C4_STREAM_STAGES else 1
+        stages, blocks = c4_stream(head_dim)
         launch(_pool_c4_kernel)[(cdiv(plan.shape[0], events * blocks) * (head_dim // channels),)](
             kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs,
-            HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, BLOCKS=blocks, STAGES=C4_STREAM_STAGES,
+            HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, BLOCKS=blocks, STAGES=stages,
             CHANNELS_FASTEST=CHANNELS_FASTEST, num_warps=warps,
         )
     else:
