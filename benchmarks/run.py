@@ -126,7 +126,31 @@ def bench_ref(fn, rep=150):
         print(f"  reference failed: {type(e).__name__}: {first_line(e)[:200]}", flush=True)
         traceback.print_exc()
         torch._dynamo.reset()
+        if "CUDA driver error" in str(e) and torch._inductor.config.use_static_cuda_launcher:
+            return _retry_with_triton_launcher(fn, rep)
         return float("nan")
+
+
+def _retry_with_triton_launcher(fn, rep):
+    """A compiled reference that failed in a CUDA driver call (the indexer's at batch 1 on the GPU:
+    "CUDA driver error: invalid argument", a launch error, which leaves the context usable), compiled
+    again with Triton's own launcher instead of Inductor's static one, its generated code logged to
+    stderr: whether it then runs tells which launcher refused which kernel's launch."""
+    torch._logging.set_logs(output_code=True)
+    try:
+        # no FX graph cache: a hit would bring back the kernels of the failed compile
+        with torch._inductor.config.patch(use_static_cuda_launcher=False, fx_graph_cache=False):
+            us = median_us(fn, rep, fallback=True)
+        print("  reference retried with Triton's launcher (use_static_cuda_launcher=False): ran", flush=True)
+        return us
+    except Exception as e:  # noqa: BLE001 -- reported, then the row goes on without this comparison
+        print(f"  reference retried with Triton's launcher: failed too: {type(e).__name__}: {first_line(e)[:200]}",
+              flush=True)
+        traceback.print_exc()
+        return float("nan")
+    finally:
+        torch._logging.set_logs()
+        torch._dynamo.reset()
 
 
 _compiled = {}

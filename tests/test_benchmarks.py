@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 import subprocess
 import sys
@@ -99,3 +100,44 @@ def test_profile_summary_reads_ncu_details_csv():
     assert [line.split()[0] for line in lines[1:5]] == ["Duration", "Memory", "Achieved", "Registers"]
     assert "Warp Cycles Per Issued Instruction" in out.getvalue() and "31.5 cycle" in out.getvalue()
     assert summarize("==PROF== no kernels were profiled", io.StringIO()) == 1
+
+
+def test_compiled_reference_retried_with_tritons_launcher(monkeypatch, capsys):
+    """A compiled reference that fails in a CUDA driver call (as the indexer's did at batch 1 on the
+    GPU) is compiled again with Triton's launcher instead of Inductor's static one; the log says
+    whether that ran. Other failures give NaN without a retry, and the settings come back."""
+    import torch
+
+    from benchmarks import run
+
+    config = torch._inductor.config
+    monkeypatch.setattr(run, "DRY_RUN", False)
+    calls = []
+
+    def fails_on_static_launcher(fn, rep, fallback):
+        calls.append((config.use_static_cuda_launcher, config.fx_graph_cache))
+        if config.use_static_cuda_launcher:
+            raise RuntimeError("CUDA driver error: invalid argument")
+        return 3.0
+
+    monkeypatch.setattr(run, "median_us", fails_on_static_launcher)
+    assert config.use_static_cuda_launcher
+    assert run.bench_ref(lambda: None) == 3.0
+    assert calls == [(True, config.fx_graph_cache), (False, False)]
+    assert "ran" in capsys.readouterr().out
+    assert config.use_static_cuda_launcher
+
+    def always_fails(fn, rep, fallback):
+        raise RuntimeError("CUDA driver error: invalid argument")
+
+    monkeypatch.setattr(run, "median_us", always_fails)
+    assert math.isnan(run.bench_ref(lambda: None))
+    assert "failed too" in capsys.readouterr().out
+
+    def inductor_error(fn, rep, fallback):
+        calls.append("inductor")
+        raise ValueError("LoweringException")
+
+    calls.clear()
+    monkeypatch.setattr(run, "median_us", inductor_error)
+    assert math.isnan(run.bench_ref(lambda: None)) and calls == ["inductor"]  # no retry
