@@ -100,13 +100,16 @@ def _grid_orders():
 def sweep_tiles(grid):
     """Kernel-only timings (replayed in a CUDA graph, as the benchmark rows) of the launch parameters:
     the prefill pooling tiles and ratio 128's plan rows per program (ratio 4 main and indexer, ratio
-    128; 4K and 16K tokens), the store's rows and row blocks per program (prefill, 16K tokens), the
+    128; 4K and 16K tokens; at 64K only the grid order and the pipelined ratio-4 pool), the store's rows and row blocks per program (prefill, 16K tokens), the
     decode channel blocks (compress_forward decode; for ratio 128 also the fused step), the warps of the ratio-4 fused step (batch 128), and the order
     of the pooling and decode grids (``CHANNELS_FASTEST``), and whether ratio 128's fused step plans
     in a launch of its own (``C128_PLAN_LAUNCH``), ratio 128's prefill pooling tile by tile
     (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a pipelined loop (``C4_STREAM``),
     and the prefill write pass's tile (``WRITE_TILE``). Each group ends with its fastest candidate."""
-    cases = ((16384, 1), (16384, 32), (4096, 1))
+    # 64K tokens: only the grid order and the pipelined ratio-4 pool, the choices that may change
+    # with the input's footprint (512 MB at ratio 4, D 512): per token, the H100's ratio-4 pools ran
+    # 15-19% slower at 64K than at 16K
+    cases = ((16384, 1), (16384, 32), (4096, 1), (65536, 32))
     c4, c128, rpps, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_ROWS_PER_PROGRAM, SWEEP_STORE_BLOCK_M
     store_blocks, streams, c4_streams = SWEEP_STORE_BLOCKS, SWEEP_C128_STREAM, SWEEP_C4_STREAM
     c4_streams_fastest = SWEEP_C4_STREAM_CHANNELS_FASTEST
@@ -118,6 +121,9 @@ def sweep_tiles(grid):
         block_ds, warps = ({k: v[:2] for k, v in table.items()} for table in (block_ds, warps))
     for config in grid.GRID_CONFIGS:
         for tokens, requests in cases:
+            large = tokens > 16384
+            if large and grid.CONFIGS[config][0] != 4:
+                continue
             s = grid.prefill_setup(config, tokens, requests, 0)
             r, D = s["r"], s["D"]
             out = torch.empty(s["plan_c"].shape[0], D, device=grid.DEV)
@@ -131,10 +137,12 @@ def sweep_tiles(grid):
                 tiles = [(f"C128_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
                           [(ck, "C128_TILE", tile), (ck, "C128_ROWS_PER_PROGRAM", rpp)])
                          for tile, rpp in pairs]
-            _sweep(grid, f"prefill {shape}", nbytes, run, tiles)
+            if not large:
+                _sweep(grid, f"prefill {shape}", nbytes, run, tiles)
             _sweep(grid, f"grid order, prefill {shape}", nbytes, run, _grid_orders())
-            _sweep(grid, f"write tile, prefill {shape}", nbytes, run,
-                   [(f"WRITE_TILE {tile}", [(ck, "WRITE_TILE", tile)]) for tile in write_tiles])
+            if not large:
+                _sweep(grid, f"write tile, prefill {shape}", nbytes, run,
+                       [(f"WRITE_TILE {tile}", [(ck, "WRITE_TILE", tile)]) for tile in write_tiles])
             if r == 4:  # one block of rows per program, against blocks in a pipelined loop
                 key = 512 if D > 256 else 128
 
@@ -157,7 +165,7 @@ def sweep_tiles(grid):
                             (ck, "C128_ROWS_PER_PROGRAM", rpp)])
                           for (tile, stages), rpp in [(stream, rpps[0]) for stream in streams]
                           + [(streams[0], rpp) for rpp in rpps[1:]]])
-            if requests == 32:
+            if requests == 32 and not large:
                 kv, cache, fmt, freqs, w = grid.store_setup(s, s["plan_c"].shape[0])
                 args = grid.prefill_store_args(s, kv, cache, freqs, w)
                 kind = "main" if D == 512 else "indexer"
