@@ -28,7 +28,10 @@ SWEEP_C128_ROWS_PER_PROGRAM = [128, 64, 256]
 #: (stages 0, ``C128_TILE``) is the first candidate, to compare against
 SWEEP_C128_STREAM = [((16, 32, 64, 2), 3), ((16, 64, 32, 4), 2), ((16, 64, 32, 4), 3), ((32, 32, 32, 4), 2),
                      ((32, 32, 32, 4), 3), ((32, 64, 32, 8), 2), ((16, 32, 32, 2), 2), ((16, 128, 32, 8), 2),
-                     ((16, 64, 64, 4), 2), ((16, 64, 128, 4), 2), ((8, 128, 64, 4), 3), ((16, 32, 128, 2), 3)]
+                     ((16, 64, 64, 4), 2), ((16, 64, 128, 4), 2), ((8, 128, 64, 4), 3), ((16, 32, 128, 2), 3),
+                     # deeper pipelines: the streaming pool is at 55% of copy bandwidth with 3 tiles in flight
+                     # (4 stages of the default tile and 6 of (8, 32, 128, 2) spill on sm_90; these do not)
+                     ((16, 32, 64, 2), 4), ((16, 32, 128, 4), 4), ((8, 32, 128, 2), 4), ((16, 64, 128, 4), 4)]
 #: ratio-4 pooling with row blocks in a pipelined loop (``C4_STREAM`` stages > 0): ((events,
 #: channels, warps), row blocks per program, stages); the one-block kernel (stages 0, ``C4_TILE``)
 #: is the first candidate, to compare against
