@@ -203,8 +203,9 @@ def test_compress_kernels_channels_fastest_grid(case, monkeypatch):
     test_compress_kernels(case)
 
 
-@pytest.mark.parametrize("case", COMPRESS_CASES[:3], ids=_case_id)
-@pytest.mark.parametrize("events,blocks", [(2, 2), (8, 4)], ids=["2x2-rows", "8x4-rows"])
+# 2 x 2 rows for every ratio-4 case (dtypes, head_dims); 8 x 4 rows (the H100's blocks) for one
+@pytest.mark.parametrize("case,events,blocks", [(case, 2, 2) for case in COMPRESS_CASES[:3]] + [(COMPRESS_CASES[0], 8, 4)],
+                         ids=lambda v: _case_id(v) if isinstance(v, dict) else str(v))
 def test_compress_kernels_ratio4_pipelined(case, events, blocks, monkeypatch):
     """Ratio-4 prefill pooling with several row blocks per program in a pipelined loop
     (``C4_STREAM`` stages > 0, off by default) pools and writes as the one-block kernel; programs
