@@ -133,21 +133,21 @@ def sweep_tiles(grid):
             nbytes = grid.compress_prefill_bytes(s)
             shape = f"{config} {tokens} tok / {requests} req"
             run = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)  # noqa: E731
-            if r == 4:
-                tiles = [(f"C4_TILE[{D}] {tile}", [(ck.C4_TILE, D, tile)]) for tile in c4]
-            else:
-                pairs = [(tile, rpps[0]) for tile in c128] + [(ck.C128_TILE, rpp) for rpp in rpps[1:]]
-                tiles = [(f"C128_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
-                          [(ck, "C128_TILE", tile), (ck, "C128_ROWS_PER_PROGRAM", rpp)])
-                         for tile, rpp in pairs]
             if not large:
+                if r == 4:
+                    tiles = [(f"C4_TILE[{D}] {tile}", [(ck.C4_TILE, D, tile)]) for tile in c4]
+                else:
+                    pairs = [(tile, rpps[0]) for tile in c128] + [(ck.C128_TILE, rpp) for rpp in rpps[1:]]
+                    tiles = [(f"C128_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
+                              [(ck, "C128_TILE", tile), (ck, "C128_ROWS_PER_PROGRAM", rpp)])
+                             for tile, rpp in pairs]
                 _sweep(grid, f"prefill {shape}", nbytes, run, tiles)
             _sweep(grid, f"grid order, prefill {shape}", nbytes, run, _grid_orders())
             if not large:
                 _sweep(grid, f"write tile, prefill {shape}", nbytes, run,
                        [(f"WRITE_TILE {tile}", [(ck, "WRITE_TILE", tile)]) for tile in write_tiles])
             if r == 4:  # one block of rows per program, against blocks in a pipelined loop
-                key = 512 if D > 256 else 128
+                key = ck.c4_key(D)
 
                 def pipelined(tile, blocks, stages):
                     return [(ck.C4_STREAM, key, (stages, blocks)), (ck.C4_TILE, key, tile)]

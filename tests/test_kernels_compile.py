@@ -68,9 +68,9 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
     counts = dict(ptrs, num_events="i32", num_state_rows="i64", num_inputs="i32")
     if ratio == 4:
         events, channels, warps = ck.c4_tile(head_dim)
-        # one block per program, and blocks in a pipelined loop (C4_STREAM stages > 0; 2 x 4 where off)
-        stages, blocks = ck.c4_stream(head_dim)
-        for blocks, stages in ((1, 0), (blocks, stages) if stages else (4, 2)):
+        # one block per program, and blocks in a pipelined loop (C4_STREAM's (stages, blocks); (2, 4) where off)
+        pipelined = ck.c4_stream(head_dim) if ck.c4_stream(head_dim)[0] else (2, 4)
+        for stages, blocks in ((0, 1), pipelined):
             _compile(ck._pool_c4_kernel, counts,
                      dict(HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=ck._channel_block(head_dim, channels),
                           BLOCKS=blocks, STAGES=stages, CHANNELS_FASTEST=channels_fastest), warps)

@@ -476,15 +476,21 @@ WRITE_TILE = (8, 1024)
 CHANNELS_FASTEST = False
 
 
+def c4_key(head_dim: int) -> int:
+    """The entry of the per-head_dim ratio-4 tables (``C4_TILE``, ``C4_STREAM``) for ``head_dim``: the
+    nearer of 512 and 128."""
+    return 512 if head_dim > 256 else 128
+
+
 def c4_tile(head_dim: int) -> tuple:
     """The ratio-4 pooling tile (``C4_TILE``) for ``head_dim``."""
-    return C4_TILE[512 if head_dim > 256 else 128]
+    return C4_TILE[c4_key(head_dim)]
 
 
 def c4_stream(head_dim: int) -> tuple:
     """The ratio-4 pooling's (stages, row blocks per program) (``C4_STREAM``) for ``head_dim``;
     one block per program, (0, 1), when stages is 0."""
-    stages, blocks = C4_STREAM[512 if head_dim > 256 else 128]
+    stages, blocks = C4_STREAM[c4_key(head_dim)]
     return (stages, blocks) if stages else (0, 1)
 
 
