@@ -45,6 +45,8 @@ SWEEP_C4_STREAM_CHANNELS_FASTEST = [((8, 32, 2), 4, 2), ((4, 64, 2), 4, 2), ((8,
 SWEEP_WRITE_TILE = [(8, 1024), (16, 512), (32, 256), (64, 128), (32, 512)]
 SWEEP_DECODE_BLOCK_D = {128: [32, 64, 16], 4: [128, 64, 256]}
 SWEEP_C4_WARPS = {512: [8, 4, 16], 128: [4, 2, 8]}
+#: ratio-128 decode at batch 1 and at the step's batch: (``DECODE_BLOCK_D[128]``, ``DECODE_WARPS[128]``)
+SWEEP_C128_DECODE_WARPS = [(32, 4), (32, 8), (32, 2), (16, 4), (16, 2), (8, 2), (64, 8)]
 SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
 #: store, prefill: strided row blocks per program (``PREFILL_BLOCKS``; 16 spills the main kernel)
 SWEEP_STORE_BLOCKS = [1, 2, 4, 8]
@@ -117,11 +119,13 @@ def sweep_tiles(grid):
     store_blocks, streams, c4_streams = SWEEP_STORE_BLOCKS, SWEEP_C128_STREAM, SWEEP_C4_STREAM
     c4_streams_fastest = SWEEP_C4_STREAM_CHANNELS_FASTEST
     block_ds, warps, write_tiles = SWEEP_DECODE_BLOCK_D, SWEEP_C4_WARPS, SWEEP_WRITE_TILE
+    decode_warps = SWEEP_C128_DECODE_WARPS
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         cases = ((grid.PREFILL_TOKENS[0], 32),)
         c4, c128, rpps, block_ms, streams, c4_streams = c4[:2], c128[:2], [8], block_ms[:2], streams[:1], c4_streams[:1]
         store_blocks, write_tiles, c4_streams_fastest = store_blocks[:2], write_tiles[:2], c4_streams_fastest[:1]
         block_ds, warps = ({k: v[:2] for k, v in table.items()} for table in (block_ds, warps))
+        decode_warps = decode_warps[:2]
     for config in grid.GRID_CONFIGS:
         for tokens, requests in cases:
             large = tokens > 16384
@@ -203,3 +207,23 @@ def sweep_tiles(grid):
             _sweep(grid, f"plan launch, fused decode step {shape}", nbytes, fused,
                    [(f"C128_PLAN_LAUNCH {v}", [(dk, "C128_PLAN_LAUNCH", v)]) for v in (False, True)])
         del s, out
+    # ratio 128 at batch 1, its row at a boundary: head_dim / DECODE_BLOCK_D[128] programs (16 for
+    # D 512) each pool a 128-row window, a latency; channels and warps per program against it, and
+    # the same candidates at the step's batch, where the boundary rows fill the GPU
+    for config in grid.GRID_CONFIGS:
+        if grid.CONFIGS[config][0] != 128:
+            continue
+        for bs in (1, grid.STEP_BATCH):
+            s = grid.decode_setup(config, bs, boundaries=1 if bs == 1 else None)
+            r, D = s["r"], s["D"]
+            out = torch.empty(bs, D, device=grid.DEV)
+            plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=grid.DEV)
+            nbytes = grid.compress_decode_bytes(s, bs)
+            unfused = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r)  # noqa: E731
+            step_args = grid.decode_step_args(s, plan_buf, out)
+            fused = lambda: dk.decode_step(*step_args)  # noqa: E731
+            for name, fn in (("compress_forward decode", unfused), ("fused decode step", fused)):
+                _sweep(grid, f"warps, {name} {config} bs {bs} ({s['boundary']} at a boundary)", nbytes, fn,
+                       [(f"DECODE_BLOCK_D[128] {b} DECODE_WARPS[128] {w}",
+                         [(ck.DECODE_BLOCK_D, 128, b), (ck.DECODE_WARPS, 128, w)]) for b, w in decode_warps])
+            del s, out

@@ -64,7 +64,7 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
     ptrs = dict(state_ptr=f"*{state}", input_ptr=f"*{inp}", ape_ptr="*fp32", plan_ptr="*i32", out_ptr=f"*{out}")
     _compile(ck._decode_kernel, dict(ptrs, num_state_rows="i64"),
              dict(HEAD_DIM=head_dim, RATIO=ratio, BLOCK_D=ck._channel_block(head_dim, ck.DECODE_BLOCK_D[ratio]),
-                  BLOCK_W=8 if ratio == 4 else 32, CHANNELS_FASTEST=channels_fastest))
+                  BLOCK_W=8 if ratio == 4 else 32, CHANNELS_FASTEST=channels_fastest), ck.DECODE_WARPS[ratio])
     counts = dict(ptrs, num_events="i32", num_state_rows="i64", num_inputs="i32")
     if ratio == 4:
         events, channels, warps = ck.c4_tile(head_dim)
@@ -142,7 +142,7 @@ def test_variant_decode_step_kernels(head_dim, flag, ratio, addressing):
     if ratio == 128:
         _compile(dk._decode_step_c128_pool_kernel, dict(ptrs, num_state_rows="i64", **lookup),
                  dict(meta, BLOCK_D=ck._channel_block(head_dim, ck.DECODE_BLOCK_D[128]),
-                      CHANNELS_FASTEST=ck.CHANNELS_FASTEST))
+                      CHANNELS_FASTEST=ck.CHANNELS_FASTEST), ck.DECODE_WARPS[128])
         return
     fmt = (1 if flag else 0) if head_dim == 512 else (3 if flag else 2)
     layout = CacheLayout(CacheFormat(fmt), 64)

@@ -429,6 +429,10 @@ if HAVE_TRITON:
 #: H200 sweep, batch 128 (2026-12-03, fifth session): ratio 4 D 512 took 3.62 us at 256 channels,
 #: 6.35 at 128; ratio 128 10.86 us at 32, 13.66 at 64, 14.33 at 16.
 DECODE_BLOCK_D = {4: 256, 128: 32}
+#: decode: warps per program, per ratio. At batch 1 a ratio-128 boundary row is pooled by
+#: ``head_dim / DECODE_BLOCK_D[128]`` programs only (16 for D 512), each loading its 128 x 32
+#: window, so the loads in flight per program (the warps) may set its latency.
+DECODE_WARPS = {4: 4, 128: 4}
 #: ratio-4 pooling tile per head_dim: (events per program, channels per program, warps). H200
 #: sweep at 16K tokens: D 512 62.6 us at (8, 32, 2), 68.4 at (8, 64, 4), 80.1 at (16, 64, 4) (the
 #: tile until then); D 128 14.7 us at (8, 64, 4), 21.4 at (16, 64, 4). Other head_dims take the
@@ -513,7 +517,7 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
         launch(_decode_kernel)[(plan.shape[0] * (head_dim // block_d),)](
             kv_score_buffer, kv_score_input, ape, words, out, num_rows,
             HEAD_DIM=head_dim, RATIO=r, BLOCK_D=block_d, BLOCK_W=8 if r == 4 else 32,
-            CHANNELS_FASTEST=CHANNELS_FASTEST, num_warps=4,
+            CHANNELS_FASTEST=CHANNELS_FASTEST, num_warps=DECODE_WARPS[r],
         )
         return
     num_inputs = kv_score_input.shape[0]

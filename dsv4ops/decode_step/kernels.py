@@ -163,7 +163,7 @@ def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_t
         launch(_decode_step_c128_pool_kernel)[(bs * (head_dim // block_d),)](
             kv_score_buffer, kv_score_input, ape, req_pool_indices, seq_lens, words, out, num_rows, *tables,
             HEAD_DIM=head_dim, **meta, BLOCK_D=block_d, CHANNELS_FASTEST=compress_kernels.CHANNELS_FASTEST,
-            num_warps=4,
+            num_warps=compress_kernels.DECODE_WARPS[128],
         )
     store_kernels.norm_rope_store(out, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, True, r, page_size,
                                   use_fp4, bf16_store)
