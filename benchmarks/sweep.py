@@ -105,8 +105,10 @@ def _grid_orders():
 def sweep_tiles(grid):
     """Kernel-only timings (replayed in a CUDA graph, as the benchmark rows) of the launch parameters:
     the prefill pooling tiles and ratio 128's plan rows per program (ratio 4 main and indexer, ratio
-    128; 4K and 16K tokens; at 64K only the grid order and the pipelined ratio-4 pool), the store's rows and row blocks per program (prefill, 16K tokens), the
-    decode channel blocks (compress_forward decode; for ratio 128 also the fused step), the warps of the ratio-4 fused step (batch 128), and the order
+    128; 4K and 16K tokens; at 64K only the grid order and the pipelined ratio-4 pool), the store's
+    rows and row blocks per program (prefill, 16K tokens), the decode channel blocks
+    (compress_forward decode; for ratio 128 also the fused step), ratio 128's decode channels x
+    warps at batch 1 and 128, the warps of the ratio-4 fused step (batch 128), and the order
     of the pooling and decode grids (``CHANNELS_FASTEST``), and whether ratio 128's fused step plans
     in a launch of its own (``C128_PLAN_LAUNCH``), ratio 128's prefill pooling tile by tile
     (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a pipelined loop (``C4_STREAM``),
