@@ -102,13 +102,19 @@ def _grid_orders():
     return [(f"CHANNELS_FASTEST {fastest}", [(ck, "CHANNELS_FASTEST", fastest)]) for fastest in (False, True)]
 
 
+def _pool_orders():
+    """Decode: the window loaded before the ring write, or after it (``DECODE_POOL_FIRST``)."""
+    return [(f"DECODE_POOL_FIRST {first}", [(ck, "DECODE_POOL_FIRST", first)]) for first in (True, False)]
+
+
 def sweep_tiles(grid):
     """Kernel-only timings (replayed in a CUDA graph, as the benchmark rows) of the launch parameters:
     the prefill pooling tiles and ratio 128's plan rows per program (ratio 4 main and indexer, ratio
     128; 4K and 16K tokens; at 64K only the grid order and the pipelined ratio-4 pool), the store's
     rows and row blocks per program (prefill, 16K tokens), the decode channel blocks
     (compress_forward decode; for ratio 128 also the fused step), ratio 128's decode channels x
-    warps at batch 1 and 128, the warps of the ratio-4 fused step (batch 128), and the order
+    warps at batch 1 and 128, whether decode loads the window before the ring write
+    (``DECODE_POOL_FIRST``; batch 128, and batch 1 for ratio 128), the warps of the ratio-4 fused step (batch 128), and the order
     of the pooling and decode grids (``CHANNELS_FASTEST``), and whether ratio 128's fused step plans
     in a launch of its own (``C128_PLAN_LAUNCH``), ratio 128's prefill pooling tile by tile
     (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a pipelined loop (``C4_STREAM``),
@@ -202,6 +208,8 @@ def sweep_tiles(grid):
             _sweep(grid, f"{name} {shape}", nbytes, fn,
                    [(f"DECODE_BLOCK_D[{r}] {b}", [(ck.DECODE_BLOCK_D, r, b)]) for b in block_ds[r]])
             _sweep(grid, f"grid order, {name} {shape}", nbytes, fn, _grid_orders())
+        for name, fn in (("compress_forward decode", unfused), ("fused decode step", fused)):
+            _sweep(grid, f"pool order, {name} {shape}", nbytes, fn, _pool_orders())
         if r == 4:
             _sweep(grid, f"fused decode step {shape}", nbytes, fused,
                    [(f"C4_WARPS[{D}] {w}", [(dk.C4_WARPS, D, w)]) for w in warps[D]])
@@ -228,4 +236,6 @@ def sweep_tiles(grid):
                 _sweep(grid, f"warps, {name} {config} bs {bs} ({s['boundary']} at a boundary)", nbytes, fn,
                        [(f"DECODE_BLOCK_D[128] {b} DECODE_WARPS[128] {w}",
                          [(ck.DECODE_BLOCK_D, 128, b), (ck.DECODE_WARPS, 128, w)]) for b, w in decode_warps])
+                if bs == 1:
+                    _sweep(grid, f"pool order, {name} {config} bs 1 (1 at a boundary)", nbytes, fn, _pool_orders())
             del s, out

@@ -140,6 +140,17 @@ def test_kernels_ratio128_channels_fastest_grid(monkeypatch):
         test_kernels(CASES[4])
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=_case_id)
+def test_kernels_decode_order(case, monkeypatch):
+    """The fused step with the other ``DECODE_POOL_FIRST`` (the window loaded after the ring write
+    instead of before, or the reverse): the same results."""
+    from dsv4ops.compress import kernels as compress_kernels
+
+    monkeypatch.setattr(compress_kernels, "DECODE_POOL_FIRST", not compress_kernels.DECODE_POOL_FIRST)
+    monkeypatch.setattr(step_kernels, "C128_PLAN_LAUNCH", False)  # ratio 128: the pool with the plan fused in
+    test_kernels(case)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c["r"] == 128], ids=_case_id)
 def test_kernels_ratio128_plan_launch(case, monkeypatch):
     """Ratio 128 with the other ``C128_PLAN_LAUNCH`` (plan fused into the pool launch, or a launch of

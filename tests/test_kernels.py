@@ -203,6 +203,14 @@ def test_compress_kernels_channels_fastest_grid(case, monkeypatch):
     test_compress_kernels(case)
 
 
+@pytest.mark.parametrize("case", [COMPRESS_CASES[0], COMPRESS_CASES[3]], ids=_case_id)
+def test_compress_kernels_decode_order(case, monkeypatch):
+    """Decode with the other ``DECODE_POOL_FIRST`` (the window loaded after the ring write instead of
+    before, or the reverse): the same state bits and outputs."""
+    monkeypatch.setattr(compress_kernels, "DECODE_POOL_FIRST", not compress_kernels.DECODE_POOL_FIRST)
+    test_compress_kernels(case)
+
+
 # 2 x 2 rows for every ratio-4 case (dtypes, head_dims); 8 x 4 rows (the H100's blocks) for one
 @pytest.mark.parametrize("case,events,blocks", [(case, 2, 2) for case in COMPRESS_CASES[:3]] + [(COMPRESS_CASES[0], 8, 4)],
                          ids=lambda v: _case_id(v) if isinstance(v, dict) else str(v))

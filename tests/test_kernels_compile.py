@@ -62,9 +62,11 @@ def test_variant_store_kernel(fmt, head_dim, is_decode, ratio):
 def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fastest):
     ck, pk, sk = _kernels()
     ptrs = dict(state_ptr=f"*{state}", input_ptr=f"*{inp}", ape_ptr="*fp32", plan_ptr="*i32", out_ptr=f"*{out}")
-    _compile(ck._decode_kernel, dict(ptrs, num_state_rows="i64"),
-             dict(HEAD_DIM=head_dim, RATIO=ratio, BLOCK_D=ck._channel_block(head_dim, ck.DECODE_BLOCK_D[ratio]),
-                  BLOCK_W=8 if ratio == 4 else 32, CHANNELS_FASTEST=channels_fastest), ck.DECODE_WARPS[ratio])
+    for pool_first in (True, False):  # DECODE_POOL_FIRST, and the order the sweep compares it with
+        _compile(ck._decode_kernel, dict(ptrs, num_state_rows="i64"),
+                 dict(HEAD_DIM=head_dim, RATIO=ratio, BLOCK_D=ck._channel_block(head_dim, ck.DECODE_BLOCK_D[ratio]),
+                      BLOCK_W=8 if ratio == 4 else 32, CHANNELS_FASTEST=channels_fastest, POOL_FIRST=pool_first),
+                 ck.DECODE_WARPS[ratio])
     counts = dict(ptrs, num_events="i32", num_state_rows="i64", num_inputs="i32")
     if ratio == 4:
         events, channels, warps = ck.c4_tile(head_dim)
@@ -142,7 +144,7 @@ def test_variant_decode_step_kernels(head_dim, flag, ratio, addressing):
     if ratio == 128:
         _compile(dk._decode_step_c128_pool_kernel, dict(ptrs, num_state_rows="i64", **lookup),
                  dict(meta, BLOCK_D=ck._channel_block(head_dim, ck.DECODE_BLOCK_D[128]),
-                      CHANNELS_FASTEST=ck.CHANNELS_FASTEST), ck.DECODE_WARPS[128])
+                      CHANNELS_FASTEST=ck.CHANNELS_FASTEST, POOL_FIRST=ck.DECODE_POOL_FIRST), ck.DECODE_WARPS[128])
         return
     fmt = (1 if flag else 0) if head_dim == 512 else (3 if flag else 2)
     layout = CacheLayout(CacheFormat(fmt), 64)
@@ -150,5 +152,6 @@ def test_variant_decode_step_kernels(head_dim, flag, ratio, addressing):
                  num_state_rows="i64", num_locs="i32", num_freq_rows="i32", num_pages="i32", eps="fp32",
                  log2_page="i32", page_bytes="i32")
     _compile(dk._decode_step_c4_kernel, dict(ptrs, **store, **lookup),
-             dict(meta, FLAG=flag, SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride),
+             dict(meta, FLAG=flag, SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride,
+                  POOL_FIRST=ck.DECODE_POOL_FIRST),
              num_warps=dk.C4_WARPS[head_dim], multiples_of_16=PAGE_BYTES_ALIGNED)

@@ -1,10 +1,10 @@
 """Triton kernels for ``compress_forward`` (offline state, ratio 4 and 128).
 
 Decode (one DecodePlan row per request): ``_decode_kernel``, one program per
-(request, channel block). It writes its slice of the new row into the ring, then, at
-a chunk boundary, pools the window. The row it just wrote is taken from the input
-(rounded to the state dtype) instead of being read back: that is what reading it back
-gives, and it needs no barrier.
+(request, channel block). At a chunk boundary it pools the window, then it writes its
+slice of the new row into the ring. The window's new row is taken from the input
+(rounded to the state dtype), not from the ring: that is what the ring will hold, so
+the window's loads need not wait behind the write.
 
 Prefill, pass 1 (pooling, every CompressPlan row):
 
@@ -125,11 +125,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
-                   HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
-        """Decode one request for channels ``d``: write its new row into the ring, pool at a chunk end.
+                   HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
+                   POOL_FIRST: tl.constexpr):
+        """Decode one request for channels ``d``: pool at a chunk end, write its new row into the ring.
 
         Writes ``out[b, d]`` (zeros when nothing is emitted). Shared by ``_decode_kernel``
-        and the fused decode step (``dsv4ops/decode_step``).
+        and the fused decode step (``dsv4ops/decode_step``). ``POOL_FIRST`` (``DECODE_POOL_FIRST``):
+        the window is loaded before the ring write; otherwise after it (the same results).
         """
         D: tl.constexpr = HEAD_DIM
         PARTS: tl.constexpr = 4 if RATIO == 4 else 2
@@ -140,15 +142,20 @@ if HAVE_TRITON:
         live = (write_loc >= 0) & (write_loc < num_state_rows)
         dtype = state_ptr.dtype.element_ty
 
-        # 1. write this channel slice of every part of the new row into the ring
+        # 1. this channel slice of every part of the new row, rounded to the state dtype
         new_row = input_ptr + b * WIDTH + d
-        parts = ()
+        stored = ()  # as the ring will hold it
+        parts = ()  # the same, in fp32
         for part in tl.static_range(PARTS):
             v = cast_rne(tl.load(new_row + part * D).to(tl.float32), dtype)
-            tl.store(state_ptr + write_loc * WIDTH + part * D + d, v, mask=(d < D) & live)
+            stored = stored + (v,)
             parts = parts + (v.to(tl.float32),)
+        if not POOL_FIRST:
+            for part in tl.static_range(PARTS):
+                tl.store(state_ptr + write_loc * WIDTH + part * D + d, stored[part], mask=(d < D) & live)
 
-        # 2. pool the window when this token completes a chunk
+        # 2. pool the window when this token completes a chunk. Its loads never read the new row
+        # from the ring (it is taken from ``parts``), so they may run before the write (step 3).
         has_overlap = seq_len > 4
         emits = live & (seq_len % RATIO == 0) & (seq_len >= RATIO) & (page1 >= 0) & (page1 < num_pages)
         if RATIO == 4:
@@ -169,7 +176,7 @@ if HAVE_TRITON:
                     kv_col = 0
                     score_col = D
                     present = (w >= 0)[:, None]
-                is_new = (row == write_loc)[:, None]  # the row written above: use it as stored
+                is_new = (row == write_loc)[:, None]  # the row step 3 writes: use it as it will be stored
                 at = state_ptr + row[:, None] * WIDTH + d[None, :]
                 kv = tl.load(at + kv_col, mask=present & ~is_new, other=0.0).to(tl.float32)
                 score = tl.load(at + score_col, mask=present & ~is_new, other=0.0).to(tl.float32)
@@ -185,13 +192,18 @@ if HAVE_TRITON:
                 scores = scores + (tl.where(present, score + ape, float("-inf")),)
                 values = values + (kv,)
             result = _pool_window_tiles(scores, values, STEPS, BLOCK_D)
+
+        # 3. write the new row into the ring
+        if POOL_FIRST:
+            for part in tl.static_range(PARTS):
+                tl.store(state_ptr + write_loc * WIDTH + part * D + d, stored[part], mask=(d < D) & live)
         tl.store(out_ptr + b * D + d, cast_rne(result, out_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
     def _decode_kernel(
         state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_state_rows,
         HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
-        CHANNELS_FASTEST: tl.constexpr,
+        CHANNELS_FASTEST: tl.constexpr, POOL_FIRST: tl.constexpr,
     ):
         request, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
         b = request.to(tl.int64)
@@ -201,7 +213,7 @@ if HAVE_TRITON:
         page0 = tl.load(plan_ptr + b * 4 + 2).to(tl.int64)
         page1 = tl.load(plan_ptr + b * 4 + 3).to(tl.int64)
         decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
-                   HEAD_DIM, RATIO, BLOCK_D, BLOCK_W)
+                   HEAD_DIM, RATIO, BLOCK_D, BLOCK_W, POOL_FIRST)
 
     # ------------------------------------------------------------------ prefill, ratio 4
     @triton.jit
@@ -433,6 +445,12 @@ DECODE_BLOCK_D = {4: 256, 128: 32}
 #: ``head_dim / DECODE_BLOCK_D[128]`` programs only (16 for D 512), each loading its 128 x 32
 #: window, so the loads in flight per program (the warps) may set its latency.
 DECODE_WARPS = {4: 4, 128: 4}
+#: decode: load the window before writing the new row into the ring (True) or after (False, the
+#: order until 2026-12-06). A thread's load after its own store to the same buffer is ordered after
+#: it, and the store waits for the input load, so writing first puts one more memory round trip
+#: into the decode's dependent chain. Both orders give the same results (the window never reads the
+#: new row from the ring); the sweep times both.
+DECODE_POOL_FIRST = True
 #: ratio-4 pooling tile per head_dim: (events per program, channels per program, warps). H200
 #: sweep at 16K tokens: D 512 62.6 us at (8, 32, 2), 68.4 at (8, 64, 4), 80.1 at (16, 64, 4) (the
 #: tile until then); D 128 14.7 us at (8, 64, 4), 21.4 at (16, 64, 4). Other head_dims take the
@@ -517,7 +535,7 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
         launch(_decode_kernel)[(plan.shape[0] * (head_dim // block_d),)](
             kv_score_buffer, kv_score_input, ape, words, out, num_rows,
             HEAD_DIM=head_dim, RATIO=r, BLOCK_D=block_d, BLOCK_W=8 if r == 4 else 32,
-            CHANNELS_FASTEST=CHANNELS_FASTEST, num_warps=DECODE_WARPS[r],
+            CHANNELS_FASTEST=CHANNELS_FASTEST, POOL_FIRST=DECODE_POOL_FIRST, num_warps=DECODE_WARPS[r],
         )
         return
     num_inputs = kv_score_input.shape[0]

@@ -65,7 +65,7 @@ if HAVE_TRITON:
         bs, num_state_rows, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring,
         num_locs, num_freq_rows, num_pages, eps, log2_page, page_bytes,
         HEAD_DIM: tl.constexpr, ADDRESSING: tl.constexpr, HAS_TABLE: tl.constexpr, FLAG: tl.constexpr,
-        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, POOL_FIRST: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         _plan_request(b, rpi_ptr, seq_ptr, plan_ptr, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps,
@@ -86,7 +86,7 @@ if HAVE_TRITON:
         live, base, slot = _store_slots(loc, live, num_pages, log2_page, page_bytes)
         d = tl.arange(0, HEAD_DIM)
         decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
-                   HEAD_DIM, 4, HEAD_DIM, 8)
+                   HEAD_DIM, 4, HEAD_DIM, 8, POOL_FIRST)
         if (seq_len % 4 == 0) & (seq_len >= 4):
             tl.debug_barrier()  # out[b], written by other threads of this program
             if HEAD_DIM == 512:
@@ -101,7 +101,7 @@ if HAVE_TRITON:
         state_ptr, input_ptr, ape_ptr, rpi_ptr, seq_ptr, plan_ptr, out_ptr,
         num_state_rows, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring,
         HEAD_DIM: tl.constexpr, ADDRESSING: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK_D: tl.constexpr,
-        CHANNELS_FASTEST: tl.constexpr,
+        CHANNELS_FASTEST: tl.constexpr, POOL_FIRST: tl.constexpr,
     ):
         request, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
         b = request.to(tl.int64)
@@ -116,7 +116,7 @@ if HAVE_TRITON:
         page1 = tl.load(plan_ptr + b * 4 + 3).to(tl.int64)
         d = block * BLOCK_D + tl.arange(0, BLOCK_D)
         decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
-                   HEAD_DIM, 128, BLOCK_D, 32)
+                   HEAD_DIM, 128, BLOCK_D, 32, POOL_FIRST)
 
 
 #: ratio 4: warps of the one program per request (it holds the whole row: D 512 or D 128 channels).
@@ -151,7 +151,8 @@ def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_t
             kv_score_buffer, kv_score_input, ape, req_pool_indices, seq_lens, words, out,
             norm_weight, freqs, out_loc, kvcache, bs, num_rows, *tables, *store_args,
             HEAD_DIM=head_dim, **meta, FLAG=bool(bf16_store if head_dim == 512 else use_fp4),
-            SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride, num_warps=C4_WARPS[head_dim],
+            SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride,
+            POOL_FIRST=compress_kernels.DECODE_POOL_FIRST, num_warps=C4_WARPS[head_dim],
         )
         return
     if C128_PLAN_LAUNCH:
@@ -163,7 +164,7 @@ def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_t
         launch(_decode_step_c128_pool_kernel)[(bs * (head_dim // block_d),)](
             kv_score_buffer, kv_score_input, ape, req_pool_indices, seq_lens, words, out, num_rows, *tables,
             HEAD_DIM=head_dim, **meta, BLOCK_D=block_d, CHANNELS_FASTEST=compress_kernels.CHANNELS_FASTEST,
-            num_warps=compress_kernels.DECODE_WARPS[128],
+            POOL_FIRST=compress_kernels.DECODE_POOL_FIRST, num_warps=compress_kernels.DECODE_WARPS[128],
         )
     store_kernels.norm_rope_store(out, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, True, r, page_size,
                                   use_fp4, bf16_store)
