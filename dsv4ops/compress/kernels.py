@@ -446,7 +446,7 @@ DECODE_BLOCK_D = {4: 256, 128: 32}
 #: window, so the loads in flight per program (the warps) may set its latency.
 DECODE_WARPS = {4: 4, 128: 4}
 #: decode: load the window before writing the new row into the ring (True) or after (False, the
-#: order until 2026-12-06). A thread's load after its own store to the same buffer is ordered after
+#: order before the eleventh session, 2026-12-05). A thread's load after its own store to the same buffer is ordered after
 #: it, and the store waits for the input load, so writing first puts one more memory round trip
 #: into the decode's dependent chain. Both orders give the same results (the window never reads the
 #: new row from the ring); the sweep times both.
