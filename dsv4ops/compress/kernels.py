@@ -446,10 +446,10 @@ DECODE_BLOCK_D = {4: 256, 128: 32}
 #: window, so the loads in flight per program (the warps) may set its latency.
 DECODE_WARPS = {4: 4, 128: 4}
 #: decode: load the window before writing the new row into the ring (True) or after (False, the
-#: order before the eleventh session, 2026-12-05). A thread's load after its own store to the same buffer is ordered after
-#: it, and the store waits for the input load, so writing first puts one more memory round trip
-#: into the decode's dependent chain. Both orders give the same results (the window never reads the
-#: new row from the ring); the sweep times both.
+#: order before the eleventh session, 2026-12-05). A thread's load after its own store to the same
+#: buffer is ordered after it, and the store waits for the input load, so writing first puts one
+#: more memory round trip into the decode's dependent chain. Both orders give the same results (the
+#: window never reads the new row from the ring); the sweep times both. Not yet timed on a GPU.
 DECODE_POOL_FIRST = True
 #: ratio-4 pooling tile per head_dim: (events per program, channels per program, warps). H200
 #: sweep at 16K tokens: D 512 62.6 us at (8, 32, 2), 68.4 at (8, 64, 4), 80.1 at (16, 64, 4) (the
