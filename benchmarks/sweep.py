@@ -12,6 +12,7 @@ A GPU session makes the winners the defaults (``docs/performance.md``, "The swee
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 
@@ -114,28 +115,44 @@ def sweep_tiles(grid):
     rows and row blocks per program (prefill, 16K tokens), the decode channel blocks
     (compress_forward decode; for ratio 128 also the fused step), ratio 128's decode channels x
     warps at batch 1 and 128, whether decode loads the window before the ring write
-    (``DECODE_POOL_FIRST``; batch 128, and batch 1 for ratio 128), the warps of the ratio-4 fused step (batch 128), and the order
-    of the pooling and decode grids (``CHANNELS_FASTEST``), and whether ratio 128's fused step plans
-    in a launch of its own (``C128_PLAN_LAUNCH``), ratio 128's prefill pooling tile by tile
-    (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a pipelined loop (``C4_STREAM``),
-    and the prefill write pass's tile (``WRITE_TILE``). Each group ends with its fastest candidate."""
-    # 64K tokens: only the grid order and the pipelined ratio-4 pool, the choices that may change
-    # with the input's footprint (512 MB at ratio 4, D 512): per token, the H100's ratio-4 pools ran
-    # 18-19% (D 512) and 4-10% (D 128) slower at 64K than at 16K
-    cases = ((16384, 1), (16384, 32), (4096, 1), (65536, 32))
-    c4, c128, rpps, block_ms = SWEEP_C4, SWEEP_C128, SWEEP_C128_ROWS_PER_PROGRAM, SWEEP_STORE_BLOCK_M
-    store_blocks, streams, c4_streams = SWEEP_STORE_BLOCKS, SWEEP_C128_STREAM, SWEEP_C4_STREAM
-    c4_streams_fastest = SWEEP_C4_STREAM_CHANNELS_FASTEST
-    block_ds, warps, write_tiles = SWEEP_DECODE_BLOCK_D, SWEEP_C4_WARPS, SWEEP_WRITE_TILE
-    decode_warps = SWEEP_C128_DECODE_WARPS
+    (``DECODE_POOL_FIRST``; batch 128, and batch 1 for ratio 128), the warps of the ratio-4 fused
+    step (batch 128), and the order of the pooling and decode grids (``CHANNELS_FASTEST``), and
+    whether ratio 128's fused step plans in a launch of its own (``C128_PLAN_LAUNCH``), ratio 128's
+    prefill pooling tile by tile (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a
+    pipelined loop (``C4_STREAM``), and the prefill write pass's tile (``WRITE_TILE``). Each group
+    ends with its fastest candidate."""
+    candidates = _candidates(grid)
+    _sweep_prefill(grid, candidates)
+    _sweep_decode(grid, candidates)
+    _sweep_c128_decode_latency(grid, candidates)
+
+
+def _candidates(grid):
+    """The candidate lists (module constants ``SWEEP_*``), cut to two each in a dry run."""
+    c = types.SimpleNamespace(
+        # 64K tokens: only the grid order and the pipelined ratio-4 pool, the choices that may change
+        # with the input's footprint (512 MB at ratio 4, D 512): per token, the H100's ratio-4 pools
+        # ran 18-19% (D 512) and 4-10% (D 128) slower at 64K than at 16K
+        cases=((16384, 1), (16384, 32), (4096, 1), (65536, 32)),
+        c4=SWEEP_C4, c128=SWEEP_C128, rpps=SWEEP_C128_ROWS_PER_PROGRAM, block_ms=SWEEP_STORE_BLOCK_M,
+        store_blocks=SWEEP_STORE_BLOCKS, streams=SWEEP_C128_STREAM, c4_streams=SWEEP_C4_STREAM,
+        c4_streams_fastest=SWEEP_C4_STREAM_CHANNELS_FASTEST, block_ds=SWEEP_DECODE_BLOCK_D, warps=SWEEP_C4_WARPS,
+        write_tiles=SWEEP_WRITE_TILE, decode_warps=SWEEP_C128_DECODE_WARPS)
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
-        cases = ((grid.PREFILL_TOKENS[0], 32),)
-        c4, c128, rpps, block_ms, streams, c4_streams = c4[:2], c128[:2], [8], block_ms[:2], streams[:1], c4_streams[:1]
-        store_blocks, write_tiles, c4_streams_fastest = store_blocks[:2], write_tiles[:2], c4_streams_fastest[:1]
-        block_ds, warps = ({k: v[:2] for k, v in table.items()} for table in (block_ds, warps))
-        decode_warps = decode_warps[:2]
+        c.cases = ((grid.PREFILL_TOKENS[0], 32),)
+        for name in ("c4", "c128", "block_ms", "store_blocks", "write_tiles", "decode_warps"):
+            setattr(c, name, getattr(c, name)[:2])
+        c.rpps, c.streams, c.c4_streams, c.c4_streams_fastest = [8], c.streams[:1], c.c4_streams[:1], \
+            c.c4_streams_fastest[:1]
+        c.block_ds, c.warps = ({k: v[:2] for k, v in table.items()} for table in (c.block_ds, c.warps))
+    return c
+
+
+def _sweep_prefill(grid, c):
+    """The prefill groups: pooling tiles, grid order, write tile, pipelined ratio 4, streaming ratio
+    128, and (32 requests) the store's row blocks."""
     for config in grid.GRID_CONFIGS:
-        for tokens, requests in cases:
+        for tokens, requests in c.cases:
             large = tokens > 16384
             if large and grid.CONFIGS[config][0] != 4:
                 continue
@@ -147,9 +164,9 @@ def sweep_tiles(grid):
             run = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)  # noqa: E731
             if not large:
                 if r == 4:
-                    tiles = [(f"C4_TILE[{D}] {tile}", [(ck.C4_TILE, D, tile)]) for tile in c4]
+                    tiles = [(f"C4_TILE[{D}] {tile}", [(ck.C4_TILE, D, tile)]) for tile in c.c4]
                 else:
-                    pairs = [(tile, rpps[0]) for tile in c128] + [(ck.C128_TILE, rpp) for rpp in rpps[1:]]
+                    pairs = [(tile, c.rpps[0]) for tile in c.c128] + [(ck.C128_TILE, rpp) for rpp in c.rpps[1:]]
                     tiles = [(f"C128_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
                               [(ck, "C128_TILE", tile), (ck, "C128_ROWS_PER_PROGRAM", rpp)])
                              for tile, rpp in pairs]
@@ -157,7 +174,7 @@ def sweep_tiles(grid):
             _sweep(grid, f"grid order, prefill {shape}", nbytes, run, _grid_orders())
             if not large:
                 _sweep(grid, f"write tile, prefill {shape}", nbytes, run,
-                       [(f"WRITE_TILE {tile}", [(ck, "WRITE_TILE", tile)]) for tile in write_tiles])
+                       [(f"WRITE_TILE {tile}", [(ck, "WRITE_TILE", tile)]) for tile in c.write_tiles])
             if r == 4:  # one block of rows per program, against blocks in a pipelined loop
                 key = ck.c4_key(D)
 
@@ -167,19 +184,19 @@ def sweep_tiles(grid):
                 _sweep(grid, f"pipelined, prefill {shape}", nbytes, run,
                        [(f"C4_STREAM[{key}] (0, -) (one block per program)", [(ck.C4_STREAM, key, (0, 1))])]
                        + [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile}", pipelined(tile, blocks, stages))
-                          for tile, blocks, stages in c4_streams])
+                          for tile, blocks, stages in c.c4_streams])
                 _sweep(grid, f"grid order, pipelined, prefill {shape}", nbytes, run,
                        [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile} CHANNELS_FASTEST True",
                          pipelined(tile, blocks, stages) + [(ck, "CHANNELS_FASTEST", True)])
-                        for tile, blocks, stages in c4_streams_fastest])
+                        for tile, blocks, stages in c.c4_streams_fastest])
             if r == 128:  # the whole window in registers, against tile-by-tile pooling (online softmax)
                 _sweep(grid, f"streaming, prefill {shape}", nbytes, run,
                        [("C128_STREAM_STAGES 0 (whole window)", [(ck, "C128_STREAM_STAGES", 0)])]
                        + [(f"C128_STREAM_STAGES {stages} C128_STREAM_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
                            [(ck, "C128_STREAM_STAGES", stages), (ck, "C128_STREAM_TILE", tile),
                             (ck, "C128_ROWS_PER_PROGRAM", rpp)])
-                          for (tile, stages), rpp in [(stream, rpps[0]) for stream in streams]
-                          + [(streams[0], rpp) for rpp in rpps[1:]]])
+                          for (tile, stages), rpp in [(stream, c.rpps[0]) for stream in c.streams]
+                          + [(c.streams[0], rpp) for rpp in c.rpps[1:]]])
             if requests == 32 and not large:
                 kv, cache, fmt, freqs, w = grid.store_setup(s, s["plan_c"].shape[0])
                 args = grid.prefill_store_args(s, kv, cache, freqs, w)
@@ -189,53 +206,65 @@ def sweep_tiles(grid):
                 _sweep(grid, f"store {config} {tokens} tok", store_bytes, lambda: sk.norm_rope_store(*args),
                        [(f"BLOCK_M[{kind!r}] prefill {m} PREFILL_BLOCKS[{kind!r}, {r}] {blocks}",
                          [(sk.BLOCK_M, kind, (m, decode_rows)), (sk.PREFILL_BLOCKS, (kind, r), blocks)])
-                        for m in block_ms for blocks in store_blocks if m * blocks <= 128])
+                        for m in c.block_ms for blocks in c.store_blocks if m * blocks <= 128])
             del s, out
             torch.cuda.empty_cache()
+
+
+def _decode_runs(grid, s, bs):
+    """(bytes, unfused, fused) of a decode setup: its byte count, and compress_forward decode and
+    the fused decode step as functions of no arguments."""
+    r, D = s["r"], s["D"]
+    out = torch.empty(bs, D, device=grid.DEV)
+    plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=grid.DEV)
+    step_args = grid.decode_step_args(s, plan_buf, out)
+    return (grid.compress_decode_bytes(s, bs),
+            lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r),
+            lambda: dk.decode_step(*step_args))
+
+
+def _sweep_decode(grid, c):
+    """The decode groups at the whole step's batch (``STEP_BATCH``): channel blocks, grid order,
+    window order, the ratio-4 fused step's warps, ratio 128's plan launch."""
     for config in grid.GRID_CONFIGS:
-        s = grid.decode_setup(config, grid.STEP_BATCH)
-        r, D, bs = s["r"], s["D"], grid.STEP_BATCH
-        out = torch.empty(bs, D, device=grid.DEV)
-        plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=grid.DEV)
-        nbytes = grid.compress_decode_bytes(s, bs)
+        bs = grid.STEP_BATCH
+        s = grid.decode_setup(config, bs)
+        r, D = s["r"], s["D"]
+        nbytes, unfused, fused = _decode_runs(grid, s, bs)
         shape = f"{config} bs {bs} ({s['boundary']} at a boundary)"
-        unfused = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r)  # noqa: E731
-        step_args = grid.decode_step_args(s, plan_buf, out)
-        fused = lambda: dk.decode_step(*step_args)  # noqa: E731
         # ratio 128 pools over channel blocks in both the decode kernel and the fused step; ratio 4's
         # fused step is one program per request, whose warps are swept instead
         for name, fn in [("compress_forward decode", unfused)] + ([("fused decode step", fused)] if r == 128 else []):
             _sweep(grid, f"{name} {shape}", nbytes, fn,
-                   [(f"DECODE_BLOCK_D[{r}] {b}", [(ck.DECODE_BLOCK_D, r, b)]) for b in block_ds[r]])
+                   [(f"DECODE_BLOCK_D[{r}] {b}", [(ck.DECODE_BLOCK_D, r, b)]) for b in c.block_ds[r]])
             _sweep(grid, f"grid order, {name} {shape}", nbytes, fn, _grid_orders())
         for name, fn in (("compress_forward decode", unfused), ("fused decode step", fused)):
             _sweep(grid, f"pool order, {name} {shape}", nbytes, fn, _pool_orders())
         if r == 4:
             _sweep(grid, f"fused decode step {shape}", nbytes, fused,
-                   [(f"C4_WARPS[{D}] {w}", [(dk.C4_WARPS, D, w)]) for w in warps[D]])
+                   [(f"C4_WARPS[{D}] {w}", [(dk.C4_WARPS, D, w)]) for w in c.warps[D]])
         else:  # ratio 128's fused step: plan inside the pool programs, or as a launch of its own
             _sweep(grid, f"plan launch, fused decode step {shape}", nbytes, fused,
                    [(f"C128_PLAN_LAUNCH {v}", [(dk, "C128_PLAN_LAUNCH", v)]) for v in (False, True)])
-        del s, out
-    # ratio 128 at batch 1, its row at a boundary: head_dim / DECODE_BLOCK_D[128] programs (16 for
-    # D 512) each pool a 128-row window, a latency; channels and warps per program against it, and
-    # the same candidates at the step's batch, where the boundary rows fill the GPU
+        del s, unfused, fused
+
+
+def _sweep_c128_decode_latency(grid, c):
+    """Ratio 128 at batch 1, its row at a boundary: ``head_dim / DECODE_BLOCK_D[128]`` programs (16 for
+    D 512) each pool a 128-row window, a latency. Channels and warps per program against it, and the
+    same candidates at the step's batch, where the boundary rows fill the GPU; the window order at
+    batch 1."""
     for config in grid.GRID_CONFIGS:
         if grid.CONFIGS[config][0] != 128:
             continue
         for bs in (1, grid.STEP_BATCH):
             s = grid.decode_setup(config, bs, boundaries=1 if bs == 1 else None)
-            r, D = s["r"], s["D"]
-            out = torch.empty(bs, D, device=grid.DEV)
-            plan_buf = torch.empty(bs, 16, dtype=torch.uint8, device=grid.DEV)
-            nbytes = grid.compress_decode_bytes(s, bs)
-            unfused = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan"], None, out, D, r)  # noqa: E731
-            step_args = grid.decode_step_args(s, plan_buf, out)
-            fused = lambda: dk.decode_step(*step_args)  # noqa: E731
+            nbytes, unfused, fused = _decode_runs(grid, s, bs)
+            shape = f"{config} bs {bs} ({s['boundary']} at a boundary)"
             for name, fn in (("compress_forward decode", unfused), ("fused decode step", fused)):
-                _sweep(grid, f"warps, {name} {config} bs {bs} ({s['boundary']} at a boundary)", nbytes, fn,
+                _sweep(grid, f"warps, {name} {shape}", nbytes, fn,
                        [(f"DECODE_BLOCK_D[128] {b} DECODE_WARPS[128] {w}",
-                         [(ck.DECODE_BLOCK_D, 128, b), (ck.DECODE_WARPS, 128, w)]) for b, w in decode_warps])
+                         [(ck.DECODE_BLOCK_D, 128, b), (ck.DECODE_WARPS, 128, w)]) for b, w in c.decode_warps])
                 if bs == 1:
-                    _sweep(grid, f"pool order, {name} {config} bs 1 (1 at a boundary)", nbytes, fn, _pool_orders())
-            del s, out
+                    _sweep(grid, f"pool order, {name} {shape}", nbytes, fn, _pool_orders())
+            del s, unfused, fused
