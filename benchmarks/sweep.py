@@ -34,12 +34,14 @@ SWEEP_C128_STREAM = [((16, 32, 64, 2), 3), ((16, 64, 32, 4), 2), ((16, 64, 32, 4
                      # (4 stages of the default tile and 6 of (8, 32, 128, 2) spill on sm_90; these do not)
                      ((16, 32, 64, 2), 4), ((16, 32, 128, 4), 4), ((8, 32, 128, 2), 4), ((16, 64, 128, 4), 4)]
 #: ratio-4 pooling with row blocks in a pipelined loop (``C4_STREAM`` stages > 0): ((events,
-#: channels, warps), row blocks per program, stages); the one-block kernel (stages 0, ``C4_TILE``)
-#: is the first candidate, to compare against
+#: channels, warps), row blocks per program, stages), rows-fastest grid; the one-block kernel
+#: (stages 0) at ``SWEEP_C4_ONE_BLOCK``'s tile is the first candidate, to compare against
 SWEEP_C4_STREAM = [((8, 32, 2), 4, 2), ((8, 32, 2), 4, 3), ((8, 32, 2), 2, 2), ((8, 32, 2), 8, 2), ((4, 32, 2), 8, 3),
                    ((4, 32, 2), 4, 2), ((4, 64, 2), 4, 2), ((8, 64, 4), 4, 2), ((8, 32, 4), 4, 3), ((16, 32, 4), 2, 2)]
-#: the same with the channel blocks of one row block together (``CHANNELS_FASTEST``): the H100's
-#: fastest D 512 candidates (2026-12-05) and the indexer's
+#: the one-block ratio-4 kernel's tile per head_dim (the H200 sweep's best, fifth session)
+SWEEP_C4_ONE_BLOCK = {512: (8, 32, 2), 128: (8, 64, 4)}
+#: the same with the channel blocks of one row block together (``C4_CHANNELS_FASTEST``): the H100's
+#: fastest D 512 candidates (2026-12-05; (4, 64, 2) x 4 x 2 is the D 512 default) and the indexer's
 SWEEP_C4_STREAM_CHANNELS_FASTEST = [((8, 32, 2), 4, 2), ((4, 64, 2), 4, 2), ((8, 32, 2), 2, 2), ((8, 64, 4), 2, 2)]
 #: prefill write pass (``WRITE_TILE``): (rows, columns) per program; most programs of a prefill
 #: only find plan padding, so fewer rows per program means more programs that do nothing
@@ -171,23 +173,32 @@ def _sweep_prefill(grid, c):
                               [(ck, "C128_TILE", tile), (ck, "C128_ROWS_PER_PROGRAM", rpp)])
                              for tile, rpp in pairs]
                 _sweep(grid, f"prefill {shape}", nbytes, run, tiles)
-            _sweep(grid, f"grid order, prefill {shape}", nbytes, run, _grid_orders())
+            if r == 4:  # ratio-4 pooling has a grid order of its own, per head_dim
+                key = ck.c4_key(D)
+                _sweep(grid, f"grid order, prefill {shape}", nbytes, run,
+                       [(f"C4_CHANNELS_FASTEST[{key}] {fastest}", [(ck.C4_CHANNELS_FASTEST, key, fastest)])
+                        for fastest in (False, True)])
+            else:
+                _sweep(grid, f"grid order, prefill {shape}", nbytes, run, _grid_orders())
             if not large:
                 _sweep(grid, f"write tile, prefill {shape}", nbytes, run,
                        [(f"WRITE_TILE {tile}", [(ck, "WRITE_TILE", tile)]) for tile in c.write_tiles])
-            if r == 4:  # one block of rows per program, against blocks in a pipelined loop
-                key = ck.c4_key(D)
+            if r == 4:  # one block of rows per program, against blocks in a pipelined loop, in each grid order
 
-                def pipelined(tile, blocks, stages):
-                    return [(ck.C4_STREAM, key, (stages, blocks)), (ck.C4_TILE, key, tile)]
+                def pipelined(tile, blocks, stages, fastest):
+                    return [(ck.C4_STREAM, key, (stages, blocks)), (ck.C4_TILE, key, tile),
+                            (ck.C4_CHANNELS_FASTEST, key, fastest)]
 
+                one_block = SWEEP_C4_ONE_BLOCK[key]
                 _sweep(grid, f"pipelined, prefill {shape}", nbytes, run,
-                       [(f"C4_STREAM[{key}] (0, -) (one block per program)", [(ck.C4_STREAM, key, (0, 1))])]
-                       + [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile}", pipelined(tile, blocks, stages))
+                       [(f"C4_STREAM[{key}] (0, -) C4_TILE[{key}] {one_block} (one block per program)",
+                         pipelined(one_block, 1, 0, False))]
+                       + [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile}",
+                           pipelined(tile, blocks, stages, False))
                           for tile, blocks, stages in c.c4_streams])
                 _sweep(grid, f"grid order, pipelined, prefill {shape}", nbytes, run,
-                       [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile} CHANNELS_FASTEST True",
-                         pipelined(tile, blocks, stages) + [(ck, "CHANNELS_FASTEST", True)])
+                       [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile} C4_CHANNELS_FASTEST[{key}] True",
+                         pipelined(tile, blocks, stages, True))
                         for tile, blocks, stages in c.c4_streams_fastest])
             if r == 128:  # the whole window in registers, against tile-by-tile pooling (online softmax)
                 _sweep(grid, f"streaming, prefill {shape}", nbytes, run,

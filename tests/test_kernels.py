@@ -200,6 +200,19 @@ def test_compress_kernels_channels_fastest_grid(case, monkeypatch):
     """The other order of the pooling and decode grids (the channel blocks of one row block run
     together) pools and writes exactly the same."""
     monkeypatch.setattr(compress_kernels, "CHANNELS_FASTEST", not compress_kernels.CHANNELS_FASTEST)
+    monkeypatch.setattr(compress_kernels, "C4_CHANNELS_FASTEST",
+                        {key: not fastest for key, fastest in compress_kernels.C4_CHANNELS_FASTEST.items()})
+    test_compress_kernels(case)
+
+
+@pytest.mark.parametrize("case", COMPRESS_CASES[:3], ids=_case_id)
+def test_compress_kernels_ratio4_d512_settings(case, monkeypatch):
+    """The test cases' head_dims (<= 256) take the D 128 entries of the ratio-4 tables; this runs them
+    with the D 512 entries (its tile, pipelined blocks and grid order), the settings DeepSeek-V4's main
+    compressor runs with."""
+    for table in ("C4_TILE", "C4_STREAM", "C4_CHANNELS_FASTEST"):
+        entries = getattr(compress_kernels, table)
+        monkeypatch.setattr(compress_kernels, table, {512: entries[512], 128: entries[512]})
     test_compress_kernels(case)
 
 
@@ -214,13 +227,15 @@ def test_compress_kernels_decode_order(case, monkeypatch):
 # 2 x 2 rows for every ratio-4 case (dtypes, head_dims); 8 x 4 rows (the H100's blocks) for one
 @pytest.mark.parametrize("case,events,blocks", [(case, 2, 2) for case in COMPRESS_CASES[:3]] + [(COMPRESS_CASES[0], 8, 4)],
                          ids=lambda v: _case_id(v) if isinstance(v, dict) else str(v))
-def test_compress_kernels_ratio4_pipelined(case, events, blocks, monkeypatch):
+@pytest.mark.parametrize("channels_fastest", [False, True], ids=["rows-fastest", "channels-fastest"])
+def test_compress_kernels_ratio4_pipelined(case, events, blocks, channels_fastest, monkeypatch):
     """Ratio-4 prefill pooling with several row blocks per program in a pipelined loop
-    (``C4_STREAM`` stages > 0, off by default) pools and writes as the one-block kernel; programs
-    whose rows are all plan padding store zeros without pooling (the NaN-poisoned output shows any
-    row left unwritten), and the trace has such programs."""
+    (``C4_STREAM`` stages > 0; the D 512 default) pools and writes as the one-block kernel, in
+    either grid order; programs whose rows are all plan padding store zeros without pooling (the
+    NaN-poisoned output shows any row left unwritten), and the trace has such programs."""
     monkeypatch.setattr(compress_kernels, "C4_STREAM", {512: (2, blocks), 128: (2, blocks)})
     monkeypatch.setattr(compress_kernels, "C4_TILE", {512: (events, 32, 2), 128: (events, 64, 4)})
+    monkeypatch.setattr(compress_kernels, "C4_CHANNELS_FASTEST", {512: channels_fastest, 128: channels_fastest})
     test_compress_kernels(case)
     # the same trace as test_compress_kernels: some program's rows are all padding, some mix both
     sim = ServingSim(4, case["D"], max_seq_len=90, full_page_size=32, swa_page_size=16)

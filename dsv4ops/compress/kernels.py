@@ -452,22 +452,28 @@ DECODE_WARPS = {4: 4, 128: 4}
 #: window never reads the new row from the ring); the sweep times both. Not yet timed on a GPU.
 DECODE_POOL_FIRST = True
 #: ratio-4 pooling tile per head_dim: (events per program, channels per program, warps). H200
-#: sweep at 16K tokens: D 512 62.6 us at (8, 32, 2), 68.4 at (8, 64, 4), 80.1 at (16, 64, 4) (the
-#: tile until then); D 128 14.7 us at (8, 64, 4), 21.4 at (16, 64, 4). Other head_dims take the
+#: sweep at 16K tokens, one block per program: D 512 62.6 us at (8, 32, 2), 68.4 at (8, 64, 4),
+#: 80.1 at (16, 64, 4); D 128 14.7 us at (8, 64, 4), 21.4 at (16, 64, 4). D 512 now pools
+#: pipelined (``C4_STREAM``) with (4, 64, 2), the H100's best there. Other head_dims take the
 #: tile of the nearer of the two.
-C4_TILE = {512: (8, 32, 2), 128: (8, 64, 4)}
+C4_TILE = {512: (4, 64, 2), 128: (8, 64, 4)}
 #: ratio-4 pooling, pipelined, per head_dim (keyed as ``C4_TILE``): (stages, row blocks per
 #: program). Stages 0 gives each block of ``BLOCK_E`` plan rows a program of its own (the blocks
 #: entry is then unused); stages > 0 gives each program that many consecutive blocks in a loop
 #: that Triton software-pipelines this many blocks deep, so that a program has the next blocks'
-#: loads in flight while it pools one (what made the ratio-128 pool 22% faster). The ncu profile
-#: (H200, 2026-12-04) shows the one-block kernel latency-bound at 21.5% achieved occupancy and
-#: 58.9% of DRAM peak. H100 sweep at 16K tokens (2026-12-05, ninth session): D 512 68.2 us at 2
-#: stages x 4 blocks with ``CHANNELS_FASTEST`` (84% of copy bandwidth), 69.2 at tile (4, 64, 2),
-#: against 73.3-74.1 us for one block per program in the grid; D 128 20.65 us at one block per
-#: program, 20.94 at best pipelined. Off for both until it has run against the reference on a GPU
-#: and been timed on the H200 (docs/gpu-results.md).
-C4_STREAM = {512: (0, 4), 128: (0, 4)}
+#: loads in flight while it pools one. The ncu profile (H200, 2026-12-04) shows the one-block
+#: kernel latency-bound at 21.5% achieved occupancy and 58.9% of DRAM peak. H100 sweep
+#: (2026-12-06, twelfth session; kernel alone, % of copy bandwidth), D 512: one block per
+#: program 73.6 us (78%) at 16K tokens, 350.6 us (65.5%) at 64K, 22.4 us at 4K; 2 stages x 4
+#: blocks at (4, 64, 2) with the channel blocks together (``C4_CHANNELS_FASTEST``) 67.0-67.2 us
+#: (85-86%), 250.4 us (91.7%), 21.9 us. D 128 (ninth session): 20.65 us at one block per
+#: program, 20.94 at best pipelined, so it stays at one block.
+C4_STREAM = {512: (2, 4), 128: (0, 4)}
+#: ratio-4 pooling: the grid order per head_dim (keyed as ``C4_TILE``; see ``CHANNELS_FASTEST``).
+#: The pipelined D 512 pool runs 3-8% faster with the channel blocks of a row block together
+#: (H100, twelfth session); the H200 sweep of the one-block kernels found no gain for D 512
+#: (fifth session), and ratio 128 and the decode grids slower, so those keep ``CHANNELS_FASTEST``.
+C4_CHANNELS_FASTEST = {512: True, 128: False}
 #: ratio-128 pooling, whole window in registers (``C128_STREAM_STAGES`` 0): (window rows per tile,
 #: channels per program, plan rows read per vector, warps)
 C128_TILE = (32, 32, 32, 4)
@@ -492,15 +498,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     C128_ROWS_PER_PROGRAM = 1024
 #: write pass: (rows per program, columns per step)
 WRITE_TILE = (8, 1024)
-#: order of the pooling and decode grids (1-D, row blocks x channel blocks): True runs the channel
-#: blocks of one row block together (whole rows read at once), False the same channels of
-#: consecutive row blocks (the order every H200 measurement so far used)
+#: order of the decode grids and the ratio-128 pooling grid (1-D, row blocks x channel blocks;
+#: ratio-4 pooling has ``C4_CHANNELS_FASTEST``): True runs the channel blocks of one row block
+#: together (whole rows read at once), False the same channels of consecutive row blocks (the
+#: order every H200 measurement so far used)
 CHANNELS_FASTEST = False
 
 
 def c4_key(head_dim: int) -> int:
-    """The entry of the per-head_dim ratio-4 tables (``C4_TILE``, ``C4_STREAM``) for ``head_dim``: the
-    nearer of 512 and 128."""
+    """The entry of the per-head_dim ratio-4 tables (``C4_TILE``, ``C4_STREAM``, ``C4_CHANNELS_FASTEST``)
+    for ``head_dim``: the nearer of 512 and 128."""
     return 512 if head_dim > 256 else 128
 
 
@@ -546,7 +553,7 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
         launch(_pool_c4_kernel)[(cdiv(plan.shape[0], events * blocks) * (head_dim // channels),)](
             kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs,
             HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, BLOCKS=blocks, STAGES=stages,
-            CHANNELS_FASTEST=CHANNELS_FASTEST, num_warps=warps,
+            CHANNELS_FASTEST=C4_CHANNELS_FASTEST[c4_key(head_dim)], num_warps=warps,
         )
     else:
         rows, channels, chunk, warps = C128_STREAM_TILE if C128_STREAM_STAGES else C128_TILE
