@@ -27,6 +27,17 @@ def fp32(value: float) -> float:
 HADAMARD_SCALE = fp32(128.0**-0.5)
 
 
+def scalar_like(value: float, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``value`` as a 0-dim ``dtype`` tensor on ``like``'s device, for the format constants above.
+
+    Used where a constant meets a tensor: under ``torch.compile(dynamic=True)`` a Python float
+    read from a module global becomes a float64 CPU graph input, and Inductor (torch 2.11, CUDA,
+    a batch of one row) passed a copy of one such input to a CUDA kernel ("CUDA driver error:
+    invalid argument"). Made into a device tensor here, it reaches the kernels as a scalar. The
+    arithmetic is unchanged: each constant is exact in ``dtype``."""
+    return torch.full((), value, dtype=dtype, device=like.device)
+
+
 def bf16_round(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> bf16 (round to nearest even) -> fp32, for finite inputs.
 
@@ -69,7 +80,7 @@ def div_rn(x: torch.Tensor, divisor: float) -> torch.Tensor:
     rounding midpoint, so this is the IEEE fp32 division, and it stays so when a
     compiler rewrites the fp64 division as a multiplication by the reciprocal.
     """
-    return (x.double() / divisor).float()
+    return (x.double() / scalar_like(divisor, x, torch.float64)).float()
 
 
 def reciprocal_rn(x: torch.Tensor) -> torch.Tensor:
@@ -96,10 +107,10 @@ def e4m3_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """fp32 -> 4-bit e2m1 codes (int32 0..15) by threshold rounding, ties toward zero, no -0."""
-    mag = torch.clamp_max(v.abs(), E2M1_MAX)
+    mag = torch.clamp_max(v.abs(), scalar_like(E2M1_MAX, v))
     index = torch.zeros_like(v, dtype=torch.int32)
     for t in E2M1_THRESHOLDS:
-        index = index + (mag > t).to(torch.int32)
+        index = index + (mag > scalar_like(t, v)).to(torch.int32)
     negative = (v < 0) & (index != 0)
     return index | (negative.to(torch.int32) << 3)
 
@@ -116,4 +127,4 @@ def hadamard128(y: torch.Tensor) -> torch.Tensor:
         pairs = y.reshape(n, 128 // (2 * stride), 2, stride)
         u, v = pairs[:, :, 0, :], pairs[:, :, 1, :]
         y = torch.stack([u + v, u - v], dim=2).reshape(n, 128)
-    return y * HADAMARD_SCALE
+    return y * scalar_like(HADAMARD_SCALE, y)
