@@ -443,13 +443,20 @@ if HAVE_TRITON:
 DECODE_BLOCK_D = {4: 256, 128: 32}
 #: decode: warps per program, per ratio. At batch 1 a ratio-128 boundary row is pooled by
 #: ``head_dim / DECODE_BLOCK_D[128]`` programs only (16 for D 512), each loading its 128 x 32
-#: window, so the loads in flight per program (the warps) may set its latency.
+#: window, so the loads in flight per program (the warps) may set its latency. H100 sweep
+#: (twelfth session), (channels, warps) for ratio 128: batch 1 (32, 4) 3.82 us, (8, 2) 3.96,
+#: (16, 4) 4.00, (32, 2) 4.75, (32, 8) 6.57; batch 128 (32, 2) 10.67, (32, 4) 10.89, (16, 2) 10.90,
+#: (32, 8) 24.99. (32, 4) stays: best at batch 1, within 2% at batch 128.
 DECODE_WARPS = {4: 4, 128: 4}
 #: decode: load the window before writing the new row into the ring (True) or after (False, the
 #: order before the eleventh session, 2026-12-05). A thread's load after its own store to the same
 #: buffer is ordered after it, and the store waits for the input load, so writing first puts one
 #: more memory round trip into the decode's dependent chain. Both orders give the same results (the
-#: window never reads the new row from the ring); the sweep times both. Not yet timed on a GPU.
+#: window never reads the new row from the ring); the sweep times both. H100 sweep (2026-12-06,
+#: twelfth session), True against False: ratio 128 at batch 1 3.82 against 4.11 us (fused step
+#: 8.00 / 8.31), ratio 4 D 512 at batch 128 3.23 / 3.34 (fused 4.36 / 4.44); the other way round
+#: for ratio 128 at batch 128 (10.83 / 10.50, fused 15.53 / 15.19) and the unfused indexer at
+#: batch 128 (2.86 / 2.79). True helps the latency-bound rows that miss 5x; the rest is within 3%.
 DECODE_POOL_FIRST = True
 #: ratio-4 pooling tile per head_dim: (events per program, channels per program, warps). H200
 #: sweep at 16K tokens, one block per program: D 512 62.6 us at (8, 32, 2), 68.4 at (8, 64, 4),
