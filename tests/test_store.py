@@ -11,6 +11,7 @@ import dsv4ops
 from dsv4ops import CacheFormat, CacheLayout, CompressorDecodePlan, CompressorPrefillPlan, cache_page_bytes
 from dsv4ops.layer import rope_freqs_table
 from dsv4ops.store import quant
+from dsv4ops.store.reference import norm_rope_store_reference
 
 from _asserts import written_byte_mask
 from golden import store_loop as golden
@@ -177,6 +178,22 @@ def test_compiled_store_writes_the_same_bytes():
         store(c["kv"], c["plan"], c["weight"], c["freqs"], c["out_loc"], a)
         torch.compile(store, fullgraph=True)(c["kv"], c["plan"], c["weight"], c["freqs"], c["out_loc"], b)
         assert torch.equal(a, b), fmt
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_reference_compiles_dynamic_for_one_row(fmt, device):
+    """The reference compiled as the benchmark compiles it (``dynamic=True``), on one decode row:
+    the same bytes as eager. On CUDA this is the case whose compile passed a CPU copy of a format
+    constant to a CUDA kernel, before the constants became device scalars (``quant.scalar_like``)."""
+    c = _case(fmt, True, 1, 64, device, seed=0)  # its one row is stored
+    flags = (c["cfg"].get("use_fp4", False), c["cfg"].get("bf16_store", False))
+    want, got = c["cache"].clone(), c["cache"].clone()
+    args = (c["kv"], c["plan"], c["weight"], 1e-6, c["freqs"], c["out_loc"])
+    norm_rope_store_reference(*args, want, True, 4, 64, *flags)
+    torch._dynamo.reset()
+    torch.compile(norm_rope_store_reference, dynamic=True)(*args, got, True, 4, 64, *flags)
+    assert (want != 0xA5).any(), "the row is stored"
+    assert torch.equal(want, got), fmt
 
 
 def test_bf16_kv_and_weight_accepted():
