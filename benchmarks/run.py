@@ -61,7 +61,8 @@ CONFIGS = {  # name: (ratio, head_dim, ring)
     "c128-main": (128, 512, 128),
 }
 GRID_CONFIGS = tuple(CONFIGS)  # the configs of the prefill and decode grids (--configs narrows them)
-#: skip the compress reference when its window gather would exceed this many bytes (64K-token ratio 128)
+#: the compress reference gathers every window of every (padded) plan row, ``[rows, W, width]`` fp32;
+#: above this many bytes (64K-token ratio 128: 34 GB) it runs over chunks of plan rows that fit
 REF_GATHER_LIMIT = 12 << 30
 PER_TOKEN_CACHE_BYTES = {0: 584, 1: 1024, 2: 132, 3: 68}
 CSV_FIELDS = ["op", "config", "shape", "tokens_or_bs", "time_us", "bytes", "GBps", "pct_copy_bw",
@@ -244,6 +245,24 @@ def prefill_store_args(s, kv, cache, freqs, weight):
     return (kv, s["plan_c"], weight, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
 
 
+def reference_rows_per_chunk(plan_rows: int, D: int, r: int) -> int:
+    """Plan rows per call of the compress prefill reference: all of them, or as many as keep its
+    window gather within ``REF_GATHER_LIMIT``."""
+    per_row = window_len(r) * state_row_width(D, r) * 4
+    return max(1, min(plan_rows, REF_GATHER_LIMIT // per_row))
+
+
+def chunked_prefill_reference(fn, state, x, ape, plan_c, plan_w, out, D, r, rows_per_chunk):
+    """``fn`` (the compress prefill reference, eager or compiled) over chunks of ``rows_per_chunk``
+    plan rows: the same pooling and writes as one call. Each plan row pools on its own, and every
+    chunk's pass 1 must read the ring before pass 2 writes it, so the write plan goes with the last
+    chunk and the others get none."""
+    rows = plan_c.shape[0]
+    for start in range(0, rows, rows_per_chunk):
+        end = min(start + rows_per_chunk, rows)
+        fn(state, x, ape, plan_c[start:end], plan_w if end == rows else plan_w[:0], out[start:end], D, r)
+
+
 def run_prefill(quick):
     tokens_list = PREFILL_TOKENS[:2] if quick else PREFILL_TOKENS
     for config in GRID_CONFIGS:
@@ -256,17 +275,21 @@ def run_prefill(quick):
                     state = s["state"]
                     shape = f"{tokens} tok / {requests} req / prefix {prefix}"
 
+                    rows_per_chunk = reference_rows_per_chunk(s["plan_c"].shape[0], D, r)
+
                     def ref(fn=compress_prefill_reference):
-                        fn(state, s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)
+                        chunked_prefill_reference(fn, state, s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r,
+                                                  rows_per_chunk)
 
                     row = Row("compress_forward prefill", config, shape, tokens,
                               bench(lambda: ck.compress_forward(state, s["x"], s["ape"], s["plan_c"], s["plan_w"],
                                                                 out, D, r)),
                               compress_prefill_bytes(s))
-                    # the reference gathers every window of every (padded) plan row: [rows, W, width] fp32
-                    if s["plan_c"].shape[0] * window_len(r) * state_row_width(D, r) * 4 <= REF_GATHER_LIMIT:
-                        row.ref_eager_us = bench_ref(ref)
-                        row.ref_compiled_us = bench_ref(lambda: ref(compiled(compress_prefill_reference)))
+                    if rows_per_chunk < s["plan_c"].shape[0]:
+                        print(f"  reference in {-(-s['plan_c'].shape[0] // rows_per_chunk)} calls of "
+                              f"{rows_per_chunk} plan rows (its window gather)", flush=True)
+                    row.ref_eager_us = bench_ref(ref)
+                    row.ref_compiled_us = bench_ref(lambda: ref(compiled(compress_prefill_reference)))
                     record(row)
 
                     kv, cache, fmt, freqs, w = store_setup(s, s["plan_c"].shape[0])
@@ -573,6 +596,8 @@ def _configure_dry_run():
     DECODE_MAX_LEN, DECODE_BATCHES = 4096, (5,)
     PREFILL_TOKENS, PREFILL_REQUESTS, PREFIXES = (300,), (1, 3), (0, 10)
     STEP_BATCH = 4
+    global REF_GATHER_LIMIT
+    REF_GATHER_LIMIT = 64 << 19  # 64 plan rows of ratio 128 at D 512 (512 KB each): the chunked reference runs too
 
 
 def _select(configs, batches, tokens):

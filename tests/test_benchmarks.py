@@ -6,12 +6,16 @@ on a broken script)."""
 from __future__ import annotations
 
 import csv
+import random
 import io
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,3 +148,30 @@ def test_compiled_reference_retried_with_tritons_launcher(monkeypatch, capsys):
     calls.clear()
     monkeypatch.setattr(run, "median_us", inductor_error)
     assert math.isnan(run.bench_ref(lambda: None)) and calls == ["inductor"]  # no retry
+
+
+@pytest.mark.parametrize("ratio,head_dim", [(128, 64), (4, 128)])
+def test_chunked_prefill_reference_matches_one_call(ratio, head_dim):
+    """The benchmark runs the compress prefill reference over chunks of plan rows where its window
+    gather would not fit (64K-token ratio 128); chunked, it writes the same state and outputs."""
+    from benchmarks.run import chunked_prefill_reference
+    from dsv4ops.compress.reference import compress_prefill_reference
+    from _serving import ServingSim, random_trace
+
+    big = ratio == 128
+    sim = ServingSim(ratio, head_dim, max_seq_len=300 if big else 90, full_page_size=256 if big else 32,
+                     swa_page_size=128 if big else 16)
+    random_trace(sim, random.Random(4), 8)
+    prefills = [step for step in sim.steps if not step.plan.is_decode]
+    assert prefills
+    for step in prefills:
+        plan_c, plan_w = step.plan.plan_c, step.plan.plan_w
+        state = torch.randn(sim.state.shape)
+        want_state, got_state = state.clone(), state.clone()
+        want_out = torch.full((plan_c.shape[0], head_dim), float("nan"))
+        got_out = want_out.clone()
+        compress_prefill_reference(want_state, step.kv_score_input, sim.ape, plan_c, plan_w, want_out, head_dim, ratio)
+        chunked_prefill_reference(compress_prefill_reference, got_state, step.kv_score_input, sim.ape, plan_c, plan_w,
+                                  got_out, head_dim, ratio, rows_per_chunk=3)
+        assert torch.equal(want_state, got_state)
+        assert torch.equal(want_out, got_out)
