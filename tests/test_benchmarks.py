@@ -6,10 +6,10 @@ on a broken script)."""
 from __future__ import annotations
 
 import csv
-import random
 import io
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path

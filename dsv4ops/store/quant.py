@@ -28,13 +28,14 @@ HADAMARD_SCALE = fp32(128.0**-0.5)
 
 
 def scalar_like(value: float, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``value`` as a 0-dim ``dtype`` tensor on ``like``'s device, for the format constants above.
+    """``value`` rounded to ``dtype``, as a 0-dim tensor on ``like``'s device: how the reference
+    brings a Python float (a format constant above, or ``norm_eps``) into tensor arithmetic.
 
-    Used where a constant meets a tensor: under ``torch.compile(dynamic=True)`` a Python float
-    read from a module global becomes a float64 CPU graph input, and Inductor (torch 2.11, CUDA,
-    a batch of one row) passed a copy of one such input to a CUDA kernel ("CUDA driver error:
-    invalid argument"). Made into a device tensor here, it reaches the kernels as a scalar. The
-    arithmetic is unchanged: each constant is exact in ``dtype``."""
+    Under ``torch.compile(dynamic=True)`` a Python float read from a module global becomes a
+    float64 CPU graph input, and Inductor (torch 2.11, CUDA, a batch of one row) passed a copy of
+    one such input to a CUDA kernel ("CUDA driver error: invalid argument"). Made into a device
+    tensor here, it reaches the kernels as a scalar. The format constants are exact in ``dtype``,
+    so for them the arithmetic is that of the plain float."""
     return torch.full((), value, dtype=dtype, device=like.device)
 
 

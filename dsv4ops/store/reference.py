@@ -30,7 +30,7 @@ def rms_norm_rope(kv: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, 
     x = kv.float()
     D = x.shape[1]
     sum_sq = x.double().square().sum(dim=1)
-    eps = torch.full((), norm_eps, dtype=torch.float32, device=x.device).double()  # fp32(eps), widened
+    eps = quant.scalar_like(norm_eps, x).double()  # fp32(eps), widened
     rstd = (1.0 / torch.sqrt(sum_sq / D + eps)).float()
     y = (x * rstd[:, None]) * norm_weight.float()
     a = y[:, D - ROPE_DIM :: 2].double()
