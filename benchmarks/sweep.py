@@ -53,11 +53,6 @@ SWEEP_C128_DECODE_WARPS = [(32, 4), (32, 8), (32, 2), (16, 4), (16, 2), (8, 2), 
 SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
 #: store, prefill: strided row blocks per program (``PREFILL_BLOCKS``; 16 spills the main kernel)
 SWEEP_STORE_BLOCKS = [1, 2, 4, 8]
-#: store, prefill: (rows per block, row blocks per program, pipeline stages) with the blocks in a
-#: software-pipelined loop (``PREFILL_STAGES`` > 0); sm_90 compile of the FP8 main store: 8 x 4 x 2
-#: 162 registers, 42 KB shared memory; 4 x 8 x 3 128 registers, 32 KB; 8 x 8 x 3 168, 63 KB
-SWEEP_STORE_STREAM = [(8, 2, 2), (8, 4, 2), (8, 8, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3), (8, 8, 3), (4, 16, 3),
-                      (2, 16, 3), (16, 4, 2)]
 #: store, prefill: token counts (32 requests)
 SWEEP_STORE_TOKENS = (16384, 65536)
 
@@ -121,7 +116,7 @@ def sweep_tiles(grid):
     """Kernel-only timings (replayed in a CUDA graph, as the benchmark rows) of the launch parameters:
     the prefill pooling tiles and ratio 128's plan rows per program (ratio 4 main and indexer, ratio
     128; 4K and 16K tokens; at 64K only the grid order and the pipelined ratio-4 pool), the store's
-    rows, row blocks and pipeline stages per program (prefill, 16K and 64K tokens), the decode channel blocks
+    rows and row blocks per program (prefill, 16K and 64K tokens), the decode channel blocks
     (compress_forward decode; for ratio 128 also the fused step), ratio 128's decode channels x
     warps at batch 1 and 128, whether decode loads the window before the ring write
     (``DECODE_POOL_FIRST``; batch 128, and batch 1 for ratio 128), the warps of the ratio-4 fused
@@ -145,13 +140,13 @@ def _candidates(grid):
         # ran 18-19% (D 512) and 4-10% (D 128) slower at 64K than at 16K
         cases=((16384, 1), (16384, 32), (4096, 1), (65536, 32)),
         c4=SWEEP_C4, c128=SWEEP_C128, rpps=SWEEP_C128_ROWS_PER_PROGRAM, block_ms=SWEEP_STORE_BLOCK_M,
-        store_blocks=SWEEP_STORE_BLOCKS, store_streams=SWEEP_STORE_STREAM, store_tokens=SWEEP_STORE_TOKENS,
+        store_blocks=SWEEP_STORE_BLOCKS, store_tokens=SWEEP_STORE_TOKENS,
         streams=SWEEP_C128_STREAM, c4_streams=SWEEP_C4_STREAM,
         c4_streams_fastest=SWEEP_C4_STREAM_CHANNELS_FASTEST, block_ds=SWEEP_DECODE_BLOCK_D, warps=SWEEP_C4_WARPS,
         write_tiles=SWEEP_WRITE_TILE, decode_warps=SWEEP_C128_DECODE_WARPS)
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         c.cases = ((grid.PREFILL_TOKENS[0], 32),)
-        c.store_tokens, c.store_streams = (grid.PREFILL_TOKENS[0],), c.store_streams[:1]
+        c.store_tokens = (grid.PREFILL_TOKENS[0],)
         for name in ("c4", "c128", "block_ms", "store_blocks", "write_tiles", "decode_warps"):
             setattr(c, name, getattr(c, name)[:2])
         c.rpps, c.streams, c.c4_streams, c.c4_streams_fastest = [8], c.streams[:1], c.c4_streams[:1], \
@@ -223,8 +218,8 @@ def _sweep_prefill(grid, c):
 
 
 def _sweep_store(grid, c):
-    """The prefill store's rows per block, row blocks per program and pipeline stages
-    (``BLOCK_M``, ``PREFILL_BLOCKS``, ``PREFILL_STAGES``), 32 requests at each of ``c.store_tokens``."""
+    """The prefill store's rows per block and row blocks per program (``BLOCK_M``,
+    ``PREFILL_BLOCKS``), 32 requests at each of ``c.store_tokens``."""
     for config in grid.GRID_CONFIGS:
         for tokens in c.store_tokens:
             name = f"store {config} {tokens} tok"
@@ -237,13 +232,10 @@ def _sweep_store(grid, c):
             kind = "main" if D == 512 else "indexer"
             decode_rows = sk.BLOCK_M[kind][1]
             store_bytes = grid.store_bytes(grid.plan_counts(s)[0], kv.shape[0], D, fmt)
-            tiles = [(m, blocks, 0) for m in c.block_ms for blocks in c.store_blocks if m * blocks <= 128]
             _sweep(grid, name, store_bytes, lambda: sk.norm_rope_store(*args),
-                   [(f"BLOCK_M[{kind!r}] prefill {m} PREFILL_BLOCKS[{kind!r}, {r}] {blocks} "
-                     f"PREFILL_STAGES[{kind!r}, {r}] {stages}",
-                     [(sk.BLOCK_M, kind, (m, decode_rows)), (sk.PREFILL_BLOCKS, (kind, r), blocks),
-                      (sk.PREFILL_STAGES, (kind, r), stages)])
-                    for m, blocks, stages in tiles + c.store_streams])
+                   [(f"BLOCK_M[{kind!r}] prefill {m} PREFILL_BLOCKS[{kind!r}, {r}] {blocks}",
+                     [(sk.BLOCK_M, kind, (m, decode_rows)), (sk.PREFILL_BLOCKS, (kind, r), blocks)])
+                    for m in c.block_ms for blocks in c.store_blocks if m * blocks <= 128])
             del s, kv, cache, args
             torch.cuda.empty_cache()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -12,6 +14,13 @@ try:
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     HAVE_TRITON = False
+
+
+def hardware_casts() -> bool:
+    """Whether kernels may round to fp8 with the GPU's conversion instructions (``HW_CAST``): on a
+    GPU, yes; under ``TRITON_INTERPRET=1``, whose fp32 -> fp8 cast does not round to nearest even,
+    no (the kernels then round with integer arithmetic, to the same bits)."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -289,32 +289,6 @@ def test_store_kernels(fmt, is_decode):
         assert diff.numel() == 0, f"page_size {page_size}: {diff.shape[0]} bytes differ, first {diff[:4].tolist()}"
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("rows,blocks,stages", [(2, 4, 2), (4, 3, 3)])
-def test_store_kernels_pipelined(fmt, rows, blocks, stages, monkeypatch):
-    """The prefill store with its row blocks in a software-pipelined loop (``PREFILL_STAGES`` > 0)
-    writes the reference's bytes, with the skip rules of ``_case``, blocks past the plan's end and,
-    as in a real prefill plan, whole blocks of padding after the valid rows."""
-    kind = "indexer" if FORMATS[fmt]["head_dim"] == 128 else "main"
-    monkeypatch.setitem(store_kernels.BLOCK_M, kind, (rows, store_kernels.BLOCK_M[kind][1]))
-    monkeypatch.setitem(store_kernels.PREFILL_BLOCKS, (kind, 4), blocks)
-    monkeypatch.setitem(store_kernels.PREFILL_STAGES, (kind, 4), stages)
-    for n, valid in ((20, 20), (37, 13)):
-        c = _case(fmt, False, n, 64, "cpu", seed=n)
-        c["plan"].view(torch.int32)[valid:, 0] = -1  # padding after the valid rows
-        flags = (c["cfg"].get("use_fp4", False), c["cfg"].get("bf16_store", False))
-        want = c["cache"].clone()
-        norm_rope_store_reference(c["kv"], c["plan"], c["weight"], 1e-6, c["freqs"], c["out_loc"], want,
-                                  False, 4, 64, *flags)
-        assert (want != c["cache"]).any()
-        dev = KERNEL_DEVICE
-        got = c["cache"].to(dev)
-        store_kernels.norm_rope_store(c["kv"].to(dev), c["plan"].to(dev), c["weight"].to(dev), 1e-6,
-                                      c["freqs"].to(dev), c["out_loc"].to(dev), got, False, 4, 64, *flags)
-        diff = (got.cpu() != want).nonzero()
-        assert diff.numel() == 0, f"{n} rows: {diff.shape[0]} bytes differ, first {diff[:4].tolist()}"
-
-
 @pytest.mark.parametrize("r", [4, 128])
 def test_compress_kernels_malformed_plans(r):
     """Garbage plan words straight into the kernels: nothing is written outside the state buffer and

@@ -51,13 +51,11 @@ def test_variant_store_kernel(fmt, head_dim, is_decode, ratio):
     flag = dict(BF16=fmt == 1) if main else dict(FP4=fmt == 3)
     consts = dict(**flag, IS_DECODE=is_decode, RATIO=ratio, SLOT_BYTES=layout.slot_bytes,
                   SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m,
-                  BLOCKS=1 if is_decode else sk.PREFILL_BLOCKS[kind, ratio], STAGES=0)
-    kernel = sk._store_main_kernel if main else sk._store_indexer_kernel
-    _compile(kernel, types, consts, multiples_of_16=PAGE_BYTES_ALIGNED)
-    if not is_decode:  # the row blocks in a software-pipelined loop (PREFILL_STAGES; 4 blocks, 2 stages where off)
-        stages = sk.PREFILL_STAGES[kind, ratio]
-        blocks = sk.PREFILL_BLOCKS[kind, ratio] if stages else 4
-        _compile(kernel, types, dict(consts, BLOCKS=blocks, STAGES=stages or 2), multiples_of_16=PAGE_BYTES_ALIGNED)
+                  BLOCKS=1 if is_decode else sk.PREFILL_BLOCKS[kind, ratio])
+    # the GPU's fp8 conversion (what a launch on a GPU uses) and the integer rounding the interpreter runs
+    for hw_cast in (True, False):
+        _compile(sk._store_main_kernel if main else sk._store_indexer_kernel, types, dict(consts, HW_CAST=hw_cast),
+                 multiples_of_16=PAGE_BYTES_ALIGNED)
 
 
 @pytest.mark.parametrize("ratio,head_dim", [(4, 512), (4, 128), (128, 512), (128, 64)])
@@ -157,5 +155,5 @@ def test_variant_decode_step_kernels(head_dim, flag, ratio, addressing):
                  log2_page="i32", page_bytes="i32")
     _compile(dk._decode_step_c4_kernel, dict(ptrs, **store, **lookup),
              dict(meta, FLAG=flag, SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride,
-                  POOL_FIRST=ck.DECODE_POOL_FIRST),
+                  POOL_FIRST=ck.DECODE_POOL_FIRST, HW_CAST=True),
              num_warps=dk.C4_WARPS[head_dim], multiples_of_16=PAGE_BYTES_ALIGNED)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._layout import CacheLayout, cache_format
-from .._triton import HAVE_TRITON, cdiv, launch
+from .._triton import HAVE_TRITON, cdiv, hardware_casts, launch
 from ..compress import kernels as compress_kernels
 from ..planner import kernels as planner_kernels
 from ..planner.kernels import _lookup_args
@@ -65,7 +65,7 @@ if HAVE_TRITON:
         bs, num_state_rows, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps, ring,
         num_locs, num_freq_rows, num_pages, eps, log2_page, page_bytes,
         HEAD_DIM: tl.constexpr, ADDRESSING: tl.constexpr, HAS_TABLE: tl.constexpr, FLAG: tl.constexpr,
-        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, POOL_FIRST: tl.constexpr,
+        SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, POOL_FIRST: tl.constexpr, HW_CAST: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         _plan_request(b, rpi_ptr, seq_ptr, plan_ptr, r2t_ptr, r2t_stride, num_reqs, max_len, f2s_ptr, num_full, sps,
@@ -91,10 +91,10 @@ if HAVE_TRITON:
             tl.debug_barrier()  # out[b], written by other threads of this program
             if HEAD_DIM == 512:
                 _store_main_rows(out_ptr, rows, live, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
-                                 log2_page, FLAG, SLOT_BYTES, SCALE_STRIDE)
+                                 log2_page, FLAG, SLOT_BYTES, SCALE_STRIDE, HW_CAST)
             else:
                 _store_indexer_rows(out_ptr, rows, live, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
-                                    log2_page, FLAG, SLOT_BYTES, SCALE_STRIDE, 1)
+                                    log2_page, FLAG, SLOT_BYTES, SCALE_STRIDE, 1, HW_CAST)
 
     @triton.jit
     def _decode_step_c128_pool_kernel(
@@ -152,7 +152,7 @@ def decode_step(kv_score_buffer, kv_score_input, ape, req_pool_indices, req_to_t
             norm_weight, freqs, out_loc, kvcache, bs, num_rows, *tables, *store_args,
             HEAD_DIM=head_dim, **meta, FLAG=bool(bf16_store if head_dim == 512 else use_fp4),
             SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride,
-            POOL_FIRST=compress_kernels.DECODE_POOL_FIRST, num_warps=C4_WARPS[head_dim],
+            POOL_FIRST=compress_kernels.DECODE_POOL_FIRST, HW_CAST=hardware_casts(), num_warps=C4_WARPS[head_dim],
         )
         return
     if C128_PLAN_LAUNCH:

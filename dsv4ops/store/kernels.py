@@ -19,7 +19,7 @@ import torch
 
 from .._layout import CacheFormat, CacheLayout, cache_format
 from .quant import fp32
-from .._triton import HAVE_TRITON, cdiv, launch
+from .._triton import HAVE_TRITON, cdiv, hardware_casts, launch
 
 if HAVE_TRITON:
     import triton
@@ -30,8 +30,14 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ number formats
     @triton.jit
-    def _e4m3_code(v):
-        """fp32 -> OCP e4m3fn code (int32 0..255): RNE, finite overflow saturates to +-448."""
+    def _e4m3_code(v, HW_CAST: tl.constexpr):
+        """fp32 -> OCP e4m3fn code (int32 0..255): RNE, finite overflow saturates to +-448.
+
+        ``HW_CAST``: the GPU's conversion (``cvt.rn.satfinite.e4m3x2.f32`` on sm_89+, two values per
+        instruction), the rounding of torch's ``float8_e4m3fn`` cast after a clamp to +-448; else
+        the same rounding in integer arithmetic (about 15 instructions a value), for the interpreter."""
+        if HW_CAST:
+            return tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
         sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
         a = tl.minimum(tl.abs(v), 448.0)
         bits = a.to(tl.int32, bitcast=True)
@@ -40,6 +46,20 @@ if HAVE_TRITON:
         # subnormal range (a < 2^-6): the code is round-half-even(a / 2^-9); the 2^23 trick rounds
         subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
         return sign | tl.where(a < 0.015625, subnormal, normal)
+
+    @triton.jit
+    def _bf16_round(x, HW_CAST: tl.constexpr):
+        """fp32 -> bf16 (round to nearest even) -> fp32: the GPU's ``cvt.rn.bf16.f32``, or integer arithmetic."""
+        if HW_CAST:
+            return x.to(tl.bfloat16).to(tl.float32)
+        return bf16_round(x)
+
+    @triton.jit
+    def _bf16_bits(x, HW_CAST: tl.constexpr):
+        """fp32 -> bf16 bit pattern as int32 in [0, 65535], round to nearest even (as ``_bf16_round``)."""
+        if HW_CAST:
+            return x.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+        return bf16_bits(x)
 
     @triton.jit
     def _ue8m0_ceil(x):
@@ -131,60 +151,52 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ main compressor (D = 512)
     @triton.jit
-    def _store_main_load(kv_ptr, freqs_ptr, rows, readable, pos):
-        """Read the rows ``rows`` of ``kv`` ``[*, 512]`` where ``readable``: the whole row as 8 groups of
-        64 (fp32 ``[M, 8, 64]``), its rope tail a second time as even / odd elements (``[M, 32]`` each),
-        and the cos / sin of each row's RoPE position ``pos`` (``[M, 32]`` each)."""
+    def _store_main_rows(kv_ptr, rows, readable, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
+                         log2_page, BF16: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+                         HW_CAST: tl.constexpr):
+        """Normalize, rotate, quantize and store the rows ``rows`` of ``kv`` ``[*, 512]`` where ``live``.
+        The rows and their RoPE positions are read where ``readable`` (a superset of ``live`` that does
+        not wait for the cache-slot lookup, so the two loads are in flight together).
+
+        FP8 pack (448 e4m3 + 7 ue8m0 scales + 64 bf16 rope) or plain bf16. The row is read as
+        8 groups of 64 (groups 0..6 are the FP8 groups); the rope tail (group 7) is read a
+        second time as even/odd elements, rotated, and stored as one 32-bit word per pair
+        (bf16 of the even element in the low half).
+        """
         group = tl.arange(0, 8)
         col = tl.arange(0, 64)
         pair = tl.arange(0, 32)
         element = group[:, None] * 64 + col[None, :]  # [8, 64]
         x = tl.load(kv_ptr + rows[:, None, None] * 512 + element[None, :, :], mask=readable[:, None, None],
                     other=0.0).to(tl.float32)
+        rstd = _rstd(x, eps, 512)
+        y = (x * rstd[:, None, None]) * tl.load(weight_ptr + element).to(tl.float32)[None, :, :]
+
         even = 448 + 2 * pair
         xe = tl.load(kv_ptr + rows[:, None] * 512 + even[None, :], mask=readable[:, None], other=0.0).to(tl.float32)
         xo = tl.load(kv_ptr + rows[:, None] * 512 + even[None, :] + 1, mask=readable[:, None], other=0.0).to(tl.float32)
-        f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
-        cos = tl.load(f_at, mask=readable[:, None], other=0.0)
-        sin = tl.load(f_at + 1, mask=readable[:, None], other=0.0)
-        return x, xe, xo, cos, sin
-
-    @triton.jit
-    def _store_main_quantize(x, xe, xo, cos, sin, live, base, slot, weight_ptr, cache_ptr, eps, log2_page,
-                             BF16: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr):
-        """Normalize, rotate, quantize and store rows read by ``_store_main_load`` where ``live``.
-
-        FP8 pack (448 e4m3 + 7 ue8m0 scales + 64 bf16 rope) or plain bf16. Groups 0..6 of the row
-        are the FP8 groups; the rope tail (group 7) is rotated from its even / odd copy and stored
-        as one 32-bit word per pair (bf16 of the even element in the low half).
-        """
-        group = tl.arange(0, 8)
-        col = tl.arange(0, 64)
-        pair = tl.arange(0, 32)
-        element = group[:, None] * 64 + col[None, :]  # [8, 64]
-        rstd = _rstd(x, eps, 512)
-        y = (x * rstd[:, None, None]) * tl.load(weight_ptr + element).to(tl.float32)[None, :, :]
-        even = 448 + 2 * pair
         ye = (xe * rstd[:, None]) * tl.load(weight_ptr + even).to(tl.float32)[None, :]
         yo = (xo * rstd[:, None]) * tl.load(weight_ptr + even + 1).to(tl.float32)[None, :]
-        re, ro = _rotate(ye, yo, cos, sin)
-        rope_words = bf16_bits(re) | (bf16_bits(ro) << 16)
+        f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
+        re, ro = _rotate(ye, yo, tl.load(f_at, mask=readable[:, None], other=0.0),
+                         tl.load(f_at + 1, mask=readable[:, None], other=0.0))
+        rope_words = _bf16_bits(re, HW_CAST) | (_bf16_bits(ro, HW_CAST) << 16)
 
         slot_at = base + slot * SLOT_BYTES  # byte offset of each row's slot
         nope = live[:, None, None] & (group < 7)[None, :, None]
         if BF16:
             # two bf16 per 32-bit word (the even element in the low half), so a thread's run of
             # elements goes out in wide stores rather than 2 bytes at a time
-            lo, hi = tl.split(tl.reshape(bf16_bits(y), [x.shape[0], 8, 32, 2]))
+            lo, hi = tl.split(tl.reshape(_bf16_bits(y, HW_CAST), [rows.shape[0], 8, 32, 2]))
             word = group[:, None] * 32 + pair[None, :]  # [8, 32]
             at = (cache_ptr + slot_at[:, None, None] + 4 * word[None, :, :]).to(tl.pointer_type(tl.int32))
             tl.store(at, lo | (hi << 16), mask=nope)
             rope_at = cache_ptr + slot_at[:, None] + 896 + 4 * pair[None, :]
         else:
-            z = bf16_round(y)
+            z = _bf16_round(y, HW_CAST)
             exponent = _ue8m0_ceil((tl.maximum(tl.max(tl.abs(z), axis=2), 1e-4).to(tl.float64) / 448.0)
                                    .to(tl.float32))  # [rows, 8]
-            codes = _e4m3_code(z * _pow2_neg(exponent)[:, :, None])
+            codes = _e4m3_code(z * _pow2_neg(exponent)[:, :, None], HW_CAST)
             tl.store(cache_ptr + slot_at[:, None, None] + element[None, :, :], codes.to(tl.uint8), mask=nope)
             scale_at = base + (SLOT_BYTES << log2_page) + slot * SCALE_STRIDE
             tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8),
@@ -193,88 +205,54 @@ if HAVE_TRITON:
         tl.store(rope_at.to(tl.pointer_type(tl.int32)), rope_words, mask=live[:, None])
 
     @triton.jit
-    def _store_main_rows(kv_ptr, rows, readable, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
-                         log2_page, BF16: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr):
-        """Normalize, rotate, quantize and store the rows ``rows`` of ``kv`` ``[*, 512]`` where ``live``.
-        The rows and their RoPE positions are read where ``readable`` (a superset of ``live`` that does
-        not wait for the cache-slot lookup, so the two loads are in flight together)."""
-        x, xe, xo, cos, sin = _store_main_load(kv_ptr, freqs_ptr, rows, readable, pos)
-        _store_main_quantize(x, xe, xo, cos, sin, live, base, slot, weight_ptr, cache_ptr, eps, log2_page,
-                             BF16, SLOT_BYTES, SCALE_STRIDE)
-
-    @triton.jit
     def _store_main_kernel(
         kv_ptr, plan_ptr, weight_ptr, freqs_ptr, out_loc_ptr, cache_ptr,
         num_rows, num_locs, num_freq_rows, num_pages, eps, log2_page, page_bytes,
         BF16: tl.constexpr, IS_DECODE: tl.constexpr, RATIO: tl.constexpr,
         SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr,
-        STAGES: tl.constexpr,
+        HW_CAST: tl.constexpr,
     ):
-        # BLOCKS blocks of BLOCK_M rows, strided over the plan (blocks p, p + P, ... of P programs).
-        # STAGES == 0: every block's plan words are loaded at once, then the blocks one after the other;
-        # STAGES > 0: the blocks in a loop that Triton software-pipelines, so the next blocks' plan
-        # words, cache slots and rows are in flight while one block is quantized and stored. The index
-        # loads stay in the kernel body: Inductor's mutation analysis of user Triton kernels treats
-        # every pointer passed to a helper whose result feeds a store address as written
+        # BLOCKS blocks of BLOCK_M rows, strided over the plan (blocks p, p + P, ... of P programs); the
+        # index loads stay in the kernel body: Inductor's mutation analysis of user Triton kernels
+        # treats every pointer passed to a helper whose result feeds a store address as written
         programs = tl.num_programs(0)
-        if STAGES == 0:
-            row_blocks = ()
-            words0 = ()
-            words1 = ()
-            for i in tl.static_range(BLOCKS):  # every block's plan words in flight at once
-                rows = (tl.program_id(0) + i * programs).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_blocks = row_blocks + (rows,)
-                words0 = words0 + (tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1),)
-                words1 = words1 + (tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0),)
-            for i in tl.static_range(BLOCKS):
-                rows = row_blocks[i]
-                candidate, loc_index = _store_rows(words0[i], words1[i], rows, num_rows, num_locs, IS_DECODE, RATIO)
-                candidate, pos = _store_position(words0[i], candidate, num_freq_rows, RATIO)
-                loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
-                live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
-                # plans are padded (prefill) or mostly off a boundary (decode): skip blocks with nothing to store
-                if tl.max(candidate.to(tl.int32), axis=0) > 0:
-                    _store_main_rows(kv_ptr, rows, candidate, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
-                                     log2_page, BF16, SLOT_BYTES, SCALE_STRIDE)
-        else:
-            for i in tl.range(0, BLOCKS, num_stages=STAGES):
-                rows = (tl.program_id(0) + i * programs).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-                word0 = tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1)
-                word1 = tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0)
-                candidate, loc_index = _store_rows(word0, word1, rows, num_rows, num_locs, IS_DECODE, RATIO)
-                candidate, pos = _store_position(word0, candidate, num_freq_rows, RATIO)
-                loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
-                live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
-                x, xe, xo, cos, sin = _store_main_load(kv_ptr, freqs_ptr, rows, candidate, pos)
-                if tl.max(candidate.to(tl.int32), axis=0) > 0:
-                    _store_main_quantize(x, xe, xo, cos, sin, live, base, slot, weight_ptr, cache_ptr, eps,
-                                         log2_page, BF16, SLOT_BYTES, SCALE_STRIDE)
+        row_blocks = ()
+        words0 = ()
+        words1 = ()
+        for i in tl.static_range(BLOCKS):  # every block's plan words in flight at once
+            rows = (tl.program_id(0) + i * programs).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_blocks = row_blocks + (rows,)
+            words0 = words0 + (tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1),)
+            words1 = words1 + (tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0),)
+        for i in tl.static_range(BLOCKS):
+            rows = row_blocks[i]
+            candidate, loc_index = _store_rows(words0[i], words1[i], rows, num_rows, num_locs, IS_DECODE, RATIO)
+            candidate, pos = _store_position(words0[i], candidate, num_freq_rows, RATIO)
+            loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
+            live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
+            # plans are padded (prefill) or mostly off a boundary (decode): skip blocks with nothing to store
+            if tl.max(candidate.to(tl.int32), axis=0) > 0:
+                _store_main_rows(kv_ptr, rows, candidate, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
+                                 log2_page, BF16, SLOT_BYTES, SCALE_STRIDE, HW_CAST)
 
     # ------------------------------------------------------------------ indexer compressor (D = 128)
     @triton.jit
-    def _store_indexer_load(kv_ptr, freqs_ptr, rows, readable, pos, BLOCK_M: tl.constexpr):
-        """Read the rows ``rows`` of ``kv`` ``[*, 128]`` where ``readable`` (fp32 ``[M, 128]``) and the
-        cos / sin of each row's RoPE position ``pos`` for the pairs 0..63 (``[M, 64]`` each; pairs 0..31
-        are not rotated and read as 0)."""
+    def _store_indexer_rows(kv_ptr, rows, readable, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
+                            log2_page, FP4: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, HW_CAST: tl.constexpr):
+        """Hadamard-rotated rows of 128: FP8 with one fp32 scale, or FP4 (e2m1) with 4 ue8m0 scales.
+        Reads where ``readable``, stores where ``live`` (as ``_store_main_rows``)."""
         cols = tl.arange(0, 128)
         x = tl.load(kv_ptr + rows[:, None] * 128 + cols[None, :], mask=readable[:, None], other=0.0).to(tl.float32)
-        pair = tl.arange(0, 64) - 32  # RoPE on the pairs of the last 64 elements: pairs 32..63
-        in_table = readable[:, None] & (pair >= 0)[None, :]
-        f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
-        return x, tl.load(f_at, mask=in_table, other=0.0), tl.load(f_at + 1, mask=in_table, other=0.0)
-
-    @triton.jit
-    def _store_indexer_quantize(x, cos, sin, live, base, slot, weight_ptr, cache_ptr, eps, log2_page,
-                                FP4: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
-                                BLOCK_M: tl.constexpr):
-        """Hadamard-rotated rows of 128 read by ``_store_indexer_load``, stored where ``live``: FP8 with
-        one fp32 scale, or FP4 (e2m1) with 4 ue8m0 scales."""
-        cols = tl.arange(0, 128)
         rstd = _rstd(x, eps, 128)
         y = (x * rstd[:, None]) * tl.load(weight_ptr + cols).to(tl.float32)[None, :]
+        # RoPE on the pairs of the last 64 elements: pairs 32..63
         a, b = tl.split(tl.reshape(y, [BLOCK_M, 64, 2]))
-        rotated = (tl.arange(0, 64) >= 32)[None, :]
-        ra, rb = _rotate(a, b, cos, sin)
+        pair = tl.arange(0, 64) - 32
+        rotated = (pair >= 0)[None, :]
+        in_table = readable[:, None] & rotated
+        f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
+        ra, rb = _rotate(a, b, tl.load(f_at, mask=in_table, other=0.0), tl.load(f_at + 1, mask=in_table, other=0.0))
         y = tl.reshape(tl.join(tl.where(rotated, ra, a), tl.where(rotated, rb, b)), [BLOCK_M, 128])
         h = _hadamard128(y, BLOCK_M)
         slot_at = base + slot * SLOT_BYTES
@@ -292,19 +270,9 @@ if HAVE_TRITON:
         else:  # one fp32 scale per row
             scale = (tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4).to(tl.float64) / 448.0).to(tl.float32)
             inv = (1.0 / scale.to(tl.float64)).to(tl.float32)
-            codes = _e4m3_code(h * inv[:, None])
+            codes = _e4m3_code(h * inv[:, None], HW_CAST)
             tl.store(cache_ptr + slot_at[:, None] + cols[None, :], codes.to(tl.uint8), mask=live[:, None])
             tl.store((cache_ptr + scale_at).to(tl.pointer_type(tl.float32)), scale, mask=live)
-
-    @triton.jit
-    def _store_indexer_rows(kv_ptr, rows, readable, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
-                            log2_page, FP4: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
-                            BLOCK_M: tl.constexpr):
-        """Normalize, rotate, Hadamard-transform, quantize and store the rows ``rows`` of ``kv``
-        ``[*, 128]`` where ``live``; reads where ``readable`` (as ``_store_main_rows``)."""
-        x, cos, sin = _store_indexer_load(kv_ptr, freqs_ptr, rows, readable, pos, BLOCK_M)
-        _store_indexer_quantize(x, cos, sin, live, base, slot, weight_ptr, cache_ptr, eps, log2_page, FP4,
-                                SLOT_BYTES, SCALE_STRIDE, BLOCK_M)
 
     @triton.jit
     def _store_indexer_kernel(
@@ -312,47 +280,30 @@ if HAVE_TRITON:
         num_rows, num_locs, num_freq_rows, num_pages, eps, log2_page, page_bytes,
         FP4: tl.constexpr, IS_DECODE: tl.constexpr, RATIO: tl.constexpr,
         SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr,
-        STAGES: tl.constexpr,
+        HW_CAST: tl.constexpr,
     ):
-        # BLOCKS blocks of BLOCK_M rows, strided over the plan (blocks p, p + P, ... of P programs).
-        # STAGES == 0: every block's plan words are loaded at once, then the blocks one after the other;
-        # STAGES > 0: the blocks in a loop that Triton software-pipelines, so the next blocks' plan
-        # words, cache slots and rows are in flight while one block is quantized and stored. The index
-        # loads stay in the kernel body: Inductor's mutation analysis of user Triton kernels treats
-        # every pointer passed to a helper whose result feeds a store address as written
+        # BLOCKS blocks of BLOCK_M rows, strided over the plan (blocks p, p + P, ... of P programs); the
+        # index loads stay in the kernel body: Inductor's mutation analysis of user Triton kernels
+        # treats every pointer passed to a helper whose result feeds a store address as written
         programs = tl.num_programs(0)
-        if STAGES == 0:
-            row_blocks = ()
-            words0 = ()
-            words1 = ()
-            for i in tl.static_range(BLOCKS):  # every block's plan words in flight at once
-                rows = (tl.program_id(0) + i * programs).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_blocks = row_blocks + (rows,)
-                words0 = words0 + (tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1),)
-                words1 = words1 + (tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0),)
-            for i in tl.static_range(BLOCKS):
-                rows = row_blocks[i]
-                candidate, loc_index = _store_rows(words0[i], words1[i], rows, num_rows, num_locs, IS_DECODE, RATIO)
-                candidate, pos = _store_position(words0[i], candidate, num_freq_rows, RATIO)
-                loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
-                live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
-                # plans are padded (prefill) or mostly off a boundary (decode): skip blocks with nothing to store
-                if tl.max(candidate.to(tl.int32), axis=0) > 0:
-                    _store_indexer_rows(kv_ptr, rows, candidate, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
-                                        log2_page, FP4, SLOT_BYTES, SCALE_STRIDE, BLOCK_M)
-        else:
-            for i in tl.range(0, BLOCKS, num_stages=STAGES):
-                rows = (tl.program_id(0) + i * programs).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-                word0 = tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1)
-                word1 = tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0)
-                candidate, loc_index = _store_rows(word0, word1, rows, num_rows, num_locs, IS_DECODE, RATIO)
-                candidate, pos = _store_position(word0, candidate, num_freq_rows, RATIO)
-                loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
-                live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
-                x, cos, sin = _store_indexer_load(kv_ptr, freqs_ptr, rows, candidate, pos, BLOCK_M)
-                if tl.max(candidate.to(tl.int32), axis=0) > 0:
-                    _store_indexer_quantize(x, cos, sin, live, base, slot, weight_ptr, cache_ptr, eps, log2_page,
-                                            FP4, SLOT_BYTES, SCALE_STRIDE, BLOCK_M)
+        row_blocks = ()
+        words0 = ()
+        words1 = ()
+        for i in tl.static_range(BLOCKS):  # every block's plan words in flight at once
+            rows = (tl.program_id(0) + i * programs).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_blocks = row_blocks + (rows,)
+            words0 = words0 + (tl.load(plan_ptr + rows * 4, mask=rows < num_rows, other=-1),)
+            words1 = words1 + (tl.load(plan_ptr + rows * 4 + 1, mask=(rows < num_rows) & (not IS_DECODE), other=0),)
+        for i in tl.static_range(BLOCKS):
+            rows = row_blocks[i]
+            candidate, loc_index = _store_rows(words0[i], words1[i], rows, num_rows, num_locs, IS_DECODE, RATIO)
+            candidate, pos = _store_position(words0[i], candidate, num_freq_rows, RATIO)
+            loc = tl.load(out_loc_ptr + loc_index, mask=candidate, other=-1).to(tl.int64)
+            live, base, slot = _store_slots(loc, candidate, num_pages, log2_page, page_bytes)
+            # plans are padded (prefill) or mostly off a boundary (decode): skip blocks with nothing to store
+            if tl.max(candidate.to(tl.int32), axis=0) > 0:
+                _store_indexer_rows(kv_ptr, rows, candidate, live, base, slot, pos, weight_ptr, freqs_ptr, cache_ptr, eps,
+                                    log2_page, FP4, SLOT_BYTES, SCALE_STRIDE, BLOCK_M, HW_CAST)
 
 
 #: rows per program, per format family: (prefill, decode). H200 sweep at 16K tokens (2026-12-03,
@@ -368,10 +319,6 @@ BLOCK_M = {"main": (8, 2), "indexer": (8, 4)}
 #: (A gain of 10% at best, near the run-to-run spread: these kernels are bound by the latency of
 #: the plan, slot and row loads one after the other, not by the blocks of padding.)
 PREFILL_BLOCKS = {("main", 4): 2, ("indexer", 4): 4, ("main", 128): 1, ("indexer", 128): 1}
-#: prefill: software-pipeline stages of the loop over a program's row blocks, per (format family,
-#: compress ratio); 0 loads every block's plan words at once and then takes the blocks one after
-#: the other (the only path until the thirteenth session, 2026-12-06). Decode: 0.
-PREFILL_STAGES = {("main", 4): 0, ("indexer", 4): 0, ("main", 128): 0, ("indexer", 128): 0}
 
 def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is_decode, compress_ratio, page_size,
                     use_fp4=False, bf16_store=False) -> None:
@@ -384,12 +331,11 @@ def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is
     kernel = _store_main_kernel if main else _store_indexer_kernel
     flag = dict(BF16=bool(bf16_store)) if main else dict(FP4=bool(use_fp4))
     blocks = 1 if is_decode else PREFILL_BLOCKS[kind, int(compress_ratio)]
-    stages = 0 if is_decode or blocks == 1 else PREFILL_STAGES[kind, int(compress_ratio)]
     launch(kernel)[(cdiv(cdiv(kv.shape[0], block_m), blocks),)](
         kv, plan.view(torch.int32), norm_weight, freqs, out_loc, kvcache,
         kv.shape[0], out_loc.shape[0], freqs.shape[0], kvcache.numel() // layout.page_bytes, fp32(norm_eps),
         page_size.bit_length() - 1, layout.page_bytes,
         **flag, IS_DECODE=bool(is_decode), RATIO=int(compress_ratio),
         SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m,
-        BLOCKS=blocks, STAGES=stages, num_warps=4,
+        BLOCKS=blocks, HW_CAST=hardware_casts(), num_warps=4,
     )
