@@ -10,6 +10,8 @@ clean subprocess.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from _sm90 import compile_sm90 as _compile, run_variants_in_subprocess
@@ -54,8 +56,11 @@ def test_variant_store_kernel(fmt, head_dim, is_decode, ratio):
                   BLOCKS=1 if is_decode else sk.PREFILL_BLOCKS[kind, ratio])
     # the GPU's fp8 conversion (what a launch on a GPU uses) and the integer rounding the interpreter runs
     for hw_cast in (True, False):
-        _compile(sk._store_main_kernel if main else sk._store_indexer_kernel, types, dict(consts, HW_CAST=hw_cast),
-                 multiples_of_16=PAGE_BYTES_ALIGNED)
+        compiled = _compile(sk._store_main_kernel if main else sk._store_indexer_kernel, types,
+                            dict(consts, HW_CAST=hw_cast), multiples_of_16=PAGE_BYTES_ALIGNED)
+        if hw_cast and fmt in (0, 2):  # e4m3 codes: the saturating conversion, which the kernels rely on
+            conversions = set(re.findall(r"cvt\.[\w.]*e4m3[\w.]*", compiled.asm["ptx"]))
+            assert conversions == {"cvt.rn.satfinite.e4m3x2.f32"}, conversions
 
 
 @pytest.mark.parametrize("ratio,head_dim", [(4, 512), (4, 128), (128, 512), (128, 64)])

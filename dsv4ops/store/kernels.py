@@ -34,10 +34,11 @@ if HAVE_TRITON:
         """fp32 -> OCP e4m3fn code (int32 0..255): RNE, finite overflow saturates to +-448.
 
         ``HW_CAST``: the GPU's conversion (``cvt.rn.satfinite.e4m3x2.f32`` on sm_89+, two values per
-        instruction), the rounding of torch's ``float8_e4m3fn`` cast after a clamp to +-448; else
-        the same rounding in integer arithmetic (about 15 instructions a value), for the interpreter."""
+        instruction; PTX has no fp8 conversion without ``.satfinite``, so out-of-range values saturate
+        as the reference's clamp makes them), the rounding of torch's ``float8_e4m3fn`` cast; else the
+        same rounding in integer arithmetic (about 15 instructions a value), for the interpreter."""
         if HW_CAST:
-            return tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+            return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
         sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
         a = tl.minimum(tl.abs(v), 448.0)
         bits = a.to(tl.int32, bitcast=True)
@@ -309,7 +310,12 @@ if HAVE_TRITON:
 #: rows per program, per format family: (prefill, decode). H200 sweep at 16K tokens (2026-12-03,
 #: fifth session): main 7.14 us at 8 rows, 7.50 at 4, 9.35 at 16; indexer 6.01 us at 4, 6.15 at 8,
 #: 6.34 at 16; with row blocks (2026-12-04, below): indexer 5.42 us at 8 rows x 4 blocks.
-BLOCK_M = {"main": (8, 2), "indexer": (8, 4)}
+#: H100 sweep at 16K / 64K tokens (2026-12-06, thirteenth session, with ``HW_CAST``): indexer
+#: 16 rows x 1 block 5.99 / 12.62 us, 8 x 4 (the default until then) 5.29 / 16.40, 8 x 1 5.67 / 13.91,
+#: 16 x 4 5.60 / 14.19. 16 x 1 (64 registers on sm_90, against 80) is 23% faster at 64K and 0.7 us
+#: slower at 16K; a choice by token count would put a guard on it under torch.compile. Main: 8 x 2
+#: stays (5.73 / 24.15; 8 x 1 6.09 / 25.17, 16 x 2 7.93 / 25.38).
+BLOCK_M = {"main": (8, 2), "indexer": (16, 4)}
 #: prefill: row blocks per program, per (format family, compress ratio); decode: 1. A prefill plan is
 #: padded to the token count and at most one row in ``ratio`` (plus one per request) stores a token,
 #: valid rows first; with strided blocks (see the kernels) a program meets a block with rows to
@@ -318,7 +324,7 @@ BLOCK_M = {"main": (8, 2), "indexer": (8, 4)}
 #: indexer 5.42 us at 4 blocks of 8, 5.87 at 1; ratio-128 main 3.53 us at 1 block of 8, 3.78 at 2.
 #: (A gain of 10% at best, near the run-to-run spread: these kernels are bound by the latency of
 #: the plan, slot and row loads one after the other, not by the blocks of padding.)
-PREFILL_BLOCKS = {("main", 4): 2, ("indexer", 4): 4, ("main", 128): 1, ("indexer", 128): 1}
+PREFILL_BLOCKS = {("main", 4): 2, ("indexer", 4): 1, ("main", 128): 1, ("indexer", 128): 1}
 
 def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is_decode, compress_ratio, page_size,
                     use_fp4=False, bf16_store=False) -> None:
