@@ -17,9 +17,10 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
 
 
 def hardware_casts() -> bool:
-    """Whether kernels may round to fp8 with the GPU's conversion instructions (``HW_CAST``): on a
-    GPU, yes; under ``TRITON_INTERPRET=1``, whose fp32 -> fp8 cast does not round to nearest even,
-    no (the kernels then round with integer arithmetic, to the same bits)."""
+    """Whether kernels round fp32 to bf16 and e4m3 with the GPU's conversion instructions
+    (``HW_CAST``): on a GPU, yes; under ``TRITON_INTERPRET=1``, whose fp32 -> fp8 cast does not
+    round to nearest even (and whose bf16 cast truncates), no: the kernels then round with integer
+    arithmetic, to the same bits."""
     return os.environ.get("TRITON_INTERPRET") != "1"
 
 

@@ -8,9 +8,11 @@ paged scatter, all in registers; a block of rows with nothing to store (plan
 padding, decode rows off a chunk boundary) only reads its plan words. A block's
 rows are read while their cache slots are looked up. The arithmetic follows the pinned numerics of
 ``reference.py`` operation by operation (fp64 where the reference uses fp64, IEEE
-fp32 elsewhere, integer bit manipulation for every rounding to a storage format),
-so the bytes written are identical to the reference's on the GPU and under the
-Triton interpreter.
+fp32 elsewhere, round-to-nearest-even for every rounding to a storage format), so
+the bytes written are identical to the reference's on the GPU and under the Triton
+interpreter. The bf16 and e4m3 roundings use the GPU's conversion instructions
+(``HW_CAST``); under the interpreter, whose fp8 cast does not round to nearest even,
+they use integer bit manipulation instead. E2M1 (FP4) is always rounded by thresholds.
 """
 
 from __future__ import annotations
