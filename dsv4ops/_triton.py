@@ -16,12 +16,17 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     HAVE_TRITON = False
 
 
+def interpreting() -> bool:
+    """Whether the Triton kernels run under the interpreter (``TRITON_INTERPRET=1``, on the CPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def hardware_casts() -> bool:
     """Whether kernels round fp32 to bf16 and e4m3 with the GPU's conversion instructions
-    (``HW_CAST``): on a GPU, yes; under ``TRITON_INTERPRET=1``, whose fp32 -> fp8 cast does not
-    round to nearest even (and whose bf16 cast truncates), no: the kernels then round with integer
+    (``HW_CAST``): on a GPU, yes; under the interpreter, whose fp32 -> fp8 cast does not round to
+    nearest even (and whose bf16 cast truncates), no: the kernels then round with integer
     arithmetic, to the same bits."""
-    return os.environ.get("TRITON_INTERPRET") != "1"
+    return not interpreting()
 
 
 def use_triton(t: torch.Tensor) -> bool:

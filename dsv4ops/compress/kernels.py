@@ -38,12 +38,10 @@ Rows that produce no compressed token are written as zeros.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .._layout import coff
-from .._triton import HAVE_TRITON, cdiv, launch, next_pow2
+from .._triton import HAVE_TRITON, cdiv, interpreting, launch, next_pow2
 
 if HAVE_TRITON:
     import triton
@@ -499,7 +497,7 @@ C128_STREAM_TILE = (16, 32, 128, 2)
 #: event, valid rows first, so each program pools about one event. H200 sweep (streaming, 2026-12-04):
 #: 16K tokens 45.1 us at 64 rows, 47.2 at 128, 43.3 at 256; 4K tokens 18.1, 15.3 and 22.7 us.
 C128_ROWS_PER_PROGRAM = 128
-if os.environ.get("TRITON_INTERPRET") == "1":
+if interpreting():
     # the interpreter runs programs one after the other: one program along the rows of a test's
     # plan keeps CI fast and takes the several-events-per-program path
     C128_ROWS_PER_PROGRAM = 1024
