@@ -182,14 +182,15 @@ if HAVE_TRITON:
                     other=0.0).to(tl.float32)
         rstd = _rstd(x, eps, 512)
         # the weight as a [rows, 8, 64] tile in the row's layout (from L1), not a shared [8, 64] tile
-        weight = tl.load(weight_ptr + element[None, :, :] + 0 * rows[:, None, None]).to(tl.float32)
+        weight = tl.load(tl.broadcast_to(weight_ptr + element[None, :, :], [rows.shape[0], 8, 64])).to(tl.float32)
         y = (x * rstd[:, None, None]) * weight
 
         # the rope tail again, as a contiguous [rows, 64] tile, and its table row in the same layout
         # (cos at even, sin at odd): the pairs are then split within each thread
         tail = 448 + tl.arange(0, 64)
         xt = tl.load(kv_ptr + rows[:, None] * 512 + tail[None, :], mask=readable[:, None], other=0.0).to(tl.float32)
-        yt = (xt * rstd[:, None]) * tl.load(weight_ptr + tail[None, :] + 0 * rows[:, None]).to(tl.float32)
+        wt = tl.load(tl.broadcast_to(weight_ptr + tail[None, :], [rows.shape[0], 64])).to(tl.float32)
+        yt = (xt * rstd[:, None]) * wt
         freqs = tl.load(freqs_ptr + pos[:, None] * 64 + (tail - 448)[None, :], mask=readable[:, None], other=0.0)
         ye, yo = tl.split(tl.reshape(yt, [rows.shape[0], 32, 2]))
         cos, sin = tl.split(tl.reshape(freqs, [rows.shape[0], 32, 2]))
@@ -268,7 +269,7 @@ if HAVE_TRITON:
         lo64 = x_lo.to(tl.float64)
         hi64 = x_hi.to(tl.float64)
         rstd = (1.0 / tl.sqrt(tl.sum(lo64 * lo64 + hi64 * hi64, axis=1) / 128 + eps)).to(tl.float32)
-        w_at = weight_ptr + half[None, :] + 0 * rows[:, None]  # [rows, 64]: the tile's layout, from L1
+        w_at = tl.broadcast_to(weight_ptr + half[None, :], [BLOCK_M, 64])  # in the rows' layout, from L1
         y_lo = (x_lo * rstd[:, None]) * tl.load(w_at).to(tl.float32)
         y_hi = (x_hi * rstd[:, None]) * tl.load(w_at + 64).to(tl.float32)
         freqs = tl.load(freqs_ptr + pos[:, None] * 64 + half[None, :], mask=readable[:, None], other=0.0)
