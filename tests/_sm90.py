@@ -5,8 +5,9 @@ imported with ``TRITON_INTERPRET`` unset, so each of those files runs its ``vari
 in a clean subprocess (``run_variants_in_subprocess``).
 
 With ``DSV4OPS_SM90_REPORT=<file>`` set, every compiled variant appends one line to that file:
-kernel, constexprs and pointer types, warps, registers per thread, stack frame bytes, and how many of its
-global loads / stores are 128 bits wide (from the SASS). docs/performance.md quotes that table.
+kernel, constexprs and pointer types, warps, registers per thread, stack frame bytes, how many of its
+global loads / stores are 128 bits wide, and how many instructions its SASS has (static, padding
+included). docs/performance.md quotes that table.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def resource_usage(compiled) -> dict | None:
     out = dict(reg=int(regs.group(1)), stack=int(frame.group(1)), spill_stores=int(frame.group(2)),
                spill_loads=int(frame.group(3)))
     sass = _run_on(compiled.asm["cubin"], ".cubin", cuobjdump, "-sass")
+    out["instructions"] = len(re.findall(r"/\*[0-9a-f]{4}\*/\s+[@A-Z]", sass))  # static: each instruction once
     for op in ("LDG", "STG"):
         accesses = re.findall(rf"\b{op}\.E[.\w]*", sass)
         out[op.lower()] = len(accesses)
@@ -137,4 +139,5 @@ def _report(compiled, constexprs: dict, num_warps: int, usage: dict, signature: 
     consts = " ".join(f"{k}={v}" for k, v in constexprs.items()) + f" [{pointers}]"
     with open(path, "a") as f:
         f.write(f"| {compiled.metadata.name} | {consts} | {num_warps} | {usage['reg']} | {usage['stack']} | "
-                f"{usage['ldg128']} of {usage['ldg']} | {usage['stg128']} of {usage['stg']} |\n")
+                f"{usage['ldg128']} of {usage['ldg']} | {usage['stg128']} of {usage['stg']} | "
+                f"{usage['instructions']} |\n")
