@@ -77,11 +77,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _e2m1_code(v):
-        """fp32 -> 4-bit e2m1 code by thresholds (ties toward zero), no negative zero."""
+        """fp32 -> 4-bit e2m1 code, rounded as the thresholds {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5}
+        (ties toward zero), no negative zero. From 1 up the code is the fp32 exponent and top
+        mantissa bit, rounded half down by adding 2^21 - 1 below them; under 1 it is a count of
+        two thresholds. (Checked against the thresholds for every fp32 bit pattern but NaN.)"""
         a = tl.minimum(tl.abs(v), 6.0)
-        idx = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-               + (a > 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32)
-               + (a > 5.0).to(tl.int32))
+        normal = ((a.to(tl.int32, bitcast=True) + 0x1FFFFF) >> 22) - 252  # 252: exponent 127 -> 1, 2 codes each
+        small = (a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32)
+        idx = tl.where(a >= 1.0, normal, small)
         return idx | (((v < 0) & (idx != 0)).to(tl.int32) << 3)
 
     @triton.jit
