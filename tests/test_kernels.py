@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dsv4ops import Addressing
+from dsv4ops._triton import HAVE_TRITON
 from dsv4ops.compress import kernels as compress_kernels
 from dsv4ops.compress.reference import compress_decode_reference, compress_prefill_reference
 from dsv4ops.online import kernels as online_kernels
@@ -353,3 +354,43 @@ def test_store_kernels_malformed_inputs(fmt):
         assert (guard[want.numel():] == 0x5A).all(), "a write landed past the cache"
         diff = (got.cpu() != want).nonzero()
         assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first {diff[:4].tolist()}"
+
+
+def _format_edges() -> torch.Tensor:
+    """Every e2m1 threshold and value, both signs, with their fp32 neighbours, zeros, the clamp and
+    infinities, then random values over every exponent the scaled codes meet."""
+    from dsv4ops.store.quant import E2M1_THRESHOLDS, E2M1_VALUES
+
+    points = torch.tensor(E2M1_THRESHOLDS + E2M1_VALUES + (7.0, 1e30, float("inf")), dtype=torch.float32)
+    points = torch.cat([points, -points])
+    near = torch.cat([points, torch.nextafter(points, points + 1), torch.nextafter(points, points - 1),
+                      torch.tensor([0.0, -0.0])])
+    g = torch.Generator().manual_seed(5)
+    spread = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-12, 4, (20000,), generator=g).float())
+    return torch.cat([near, spread]).contiguous()
+
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _e2m1_probe_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+        tl.store(out_ptr + i, store_kernels._e2m1_code(x), mask=i < n)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_e2m1_code_matches_thresholds():
+    """The kernels' e2m1 rounding (exponent bits from 1 up, two thresholds under 1) gives the
+    reference's threshold codes at every threshold and value, their fp32 neighbours, the clamp,
+    infinities and signed zero."""
+    from dsv4ops.store.quant import e2m1_codes
+
+    x = _format_edges()
+    out = torch.empty(x.shape, dtype=torch.int32, device=KERNEL_DEVICE)
+    _e2m1_probe_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(KERNEL_DEVICE), out, x.numel(), BLOCK=1024)
+    want = e2m1_codes(x)
+    bad = (out.cpu() != want).nonzero().flatten()
+    assert bad.numel() == 0, [(x[k].item(), out[k].item(), want[k].item()) for k in bad[:8]]
