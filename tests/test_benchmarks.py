@@ -175,3 +175,27 @@ def test_chunked_prefill_reference_matches_one_call(ratio, head_dim):
                                   got_out, head_dim, ratio, rows_per_chunk=3)
         assert torch.equal(want_state, got_state)
         assert torch.equal(want_out, got_out)
+
+
+def test_ab_store_loads_a_saved_kernels_file():
+    """``benchmarks.ab_store`` imports a saved ``dsv4ops/store/kernels.py`` on its own (its relative
+    imports made absolute); loaded from the working tree's file, it writes the package's bytes."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the loaded kernels run under the interpreter here")
+    from benchmarks.ab_store import load_version
+    from dsv4ops.store import kernels as store_kernels
+    from test_store import _case
+
+    saved = load_version(store_kernels.__file__, "store_kernels_saved_copy")
+    assert saved is not store_kernels and saved._store_indexer_kernel is not store_kernels._store_indexer_kernel
+    for fmt in ("main-fp8", "indexer-fp4"):
+        c = _case(fmt, False, 12, 64, "cpu", seed=4)
+        flags = (c["cfg"].get("use_fp4", False), c["cfg"].get("bf16_store", False))
+        caches = []
+        for module in (store_kernels, saved):
+            cache = c["cache"].clone()
+            module.norm_rope_store(c["kv"], c["plan"], c["weight"], 1e-6, c["freqs"], c["out_loc"], cache, False, 4, 64,
+                                   *flags)
+            caches.append(cache)
+        assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], c["cache"])
