@@ -142,13 +142,14 @@ if HAVE_TRITON:
         return live, page * page_bytes, loc & ((1 << log2_page) - 1)  # int64: caches can exceed 2 GiB
 
     @triton.jit
-    def _rstd(x, eps, HEAD_DIM: tl.constexpr):
-        """``fp32(1 / sqrt(sum(x^2) / D + eps))`` per row, evaluated in fp64 (``x`` is ``[M, D]`` or ``[M, G, C]``)."""
+    def _squares(x):
+        """fp64 ``x * x`` of an fp32 tile (exact: 48 significant bits)."""
         x64 = x.to(tl.float64)
-        sq = x64 * x64
-        if len(x.shape) == 3:  # one reduction over the whole row (two nested ones cost twice the shuffles)
-            sq = tl.reshape(sq, [x.shape[0], x.shape[1] * x.shape[2]])
-        sum_sq = tl.sum(sq, axis=1)
+        return x64 * x64
+
+    @triton.jit
+    def _rstd(sum_sq, eps, HEAD_DIM: tl.constexpr):
+        """``fp32(1 / sqrt(sum_sq / D + eps))`` per row, in fp64, from the rows' fp64 sums of squares."""
         return (1.0 / tl.sqrt(sum_sq / HEAD_DIM + eps)).to(tl.float32)  # eps: an fp32 value, widened
 
     @triton.jit
@@ -183,18 +184,19 @@ if HAVE_TRITON:
         element = group[:, None] * 64 + col[None, :]  # [8, 64]
         x = tl.load(kv_ptr + rows[:, None, None] * 512 + element[None, :, :], mask=readable[:, None, None],
                     other=0.0).to(tl.float32)
-        rstd = _rstd(x, eps, 512)
+        # one reduction over the whole row (nested ones over groups, then rows, cost twice the shuffles)
+        rstd = _rstd(tl.sum(tl.reshape(_squares(x), [rows.shape[0], 512]), axis=1), eps, 512)
         # the weight as a [rows, 8, 64] tile in the row's layout (from L1), not a shared [8, 64] tile
         weight = tl.load(tl.broadcast_to(weight_ptr + element[None, :, :], [rows.shape[0], 8, 64])).to(tl.float32)
         y = (x * rstd[:, None, None]) * weight
 
         # the rope tail again, as a contiguous [rows, 64] tile, and its table row in the same layout
         # (cos at even, sin at odd): the pairs are then split within each thread
-        tail = 448 + tl.arange(0, 64)
+        tail = 448 + col
         xt = tl.load(kv_ptr + rows[:, None] * 512 + tail[None, :], mask=readable[:, None], other=0.0).to(tl.float32)
         wt = tl.load(tl.broadcast_to(weight_ptr + tail[None, :], [rows.shape[0], 64])).to(tl.float32)
         yt = (xt * rstd[:, None]) * wt
-        freqs = tl.load(freqs_ptr + pos[:, None] * 64 + (tail - 448)[None, :], mask=readable[:, None], other=0.0)
+        freqs = tl.load(freqs_ptr + pos[:, None] * 64 + col[None, :], mask=readable[:, None], other=0.0)
         ye, yo = tl.split(tl.reshape(yt, [rows.shape[0], 32, 2]))
         cos, sin = tl.split(tl.reshape(freqs, [rows.shape[0], 32, 2]))
         re, ro = _rotate(ye, yo, cos, sin)
@@ -269,9 +271,7 @@ if HAVE_TRITON:
         at = kv_ptr + rows[:, None] * 128 + half[None, :]
         x_lo = tl.load(at, mask=readable[:, None], other=0.0).to(tl.float32)
         x_hi = tl.load(at + 64, mask=readable[:, None], other=0.0).to(tl.float32)
-        lo64 = x_lo.to(tl.float64)
-        hi64 = x_hi.to(tl.float64)
-        rstd = (1.0 / tl.sqrt(tl.sum(lo64 * lo64 + hi64 * hi64, axis=1) / 128 + eps)).to(tl.float32)
+        rstd = _rstd(tl.sum(_squares(x_lo) + _squares(x_hi), axis=1), eps, 128)
         w_at = tl.broadcast_to(weight_ptr + half[None, :], [BLOCK_M, 64])  # in the rows' layout, from L1
         y_lo = (x_lo * rstd[:, None]) * tl.load(w_at).to(tl.float32)
         y_hi = (x_hi * rstd[:, None]) * tl.load(w_at + 64).to(tl.float32)
