@@ -58,9 +58,7 @@ def main(argv=None):
             s = grid.prefill_setup(config, tokens, 32, 0)
             r, D = s["r"], s["D"]
             n_live = grid.plan_counts(s)[0]
-            kv = torch.randn(s["plan_c"].shape[0], D, device=grid.DEV)
-            freqs = grid.rope_freqs_table(s["pools"].max_seq_len + 8).to(grid.DEV)
-            weight = torch.randn(D, device=grid.DEV)
+            kv, _, _, freqs, weight = grid.store_setup(s, s["plan_c"].shape[0])
             for second_format in (False, True):  # D 512: FP8 then bf16; indexer: FP8 then FP4
                 fp4, bf16 = (False, second_format) if D == 512 else (second_format, False)
                 fmt = cache_format(D, fp4, bf16)
@@ -69,7 +67,7 @@ def main(argv=None):
                 for _, module in versions:
                     cache = torch.full((s["pools"].cache_pages(), layout.page_bytes), 0xA5, dtype=torch.uint8,
                                        device=grid.DEV)
-                    call = (kv, s["plan_c"], weight, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, fp4, bf16)
+                    call = grid.prefill_store_args(s, kv, cache, freqs, weight, fp4, bf16)
                     module.norm_rope_store(*call)
                     caches.append(cache.clone())
                     times.append(grid.bench(lambda m=module, c=call: m.norm_rope_store(*c)))

@@ -239,10 +239,10 @@ def store_setup(s, rows):
     return kv, cache, fmt, rope_freqs_table(s["pools"].max_seq_len + 8).to(DEV), torch.randn(D, device=DEV)
 
 
-def prefill_store_args(s, kv, cache, freqs, weight):
-    """``norm_rope_store``'s arguments for a prefill setup: its compress plan, FP8 formats."""
+def prefill_store_args(s, kv, cache, freqs, weight, use_fp4=False, bf16_store=False):
+    """``norm_rope_store``'s arguments for a prefill setup: its compress plan, FP8 formats unless told."""
     r = s["r"]
-    return (kv, s["plan_c"], weight, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, False, False)
+    return (kv, s["plan_c"], weight, 1e-6, freqs, s["out_loc"], cache, False, r, 256 // r, use_fp4, bf16_store)
 
 
 def reference_rows_per_chunk(plan_rows: int, D: int, r: int) -> int:
