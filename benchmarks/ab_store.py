@@ -25,14 +25,16 @@ from dsv4ops.store import kernels as current
 
 from . import run as grid
 
-#: a saved kernels.py imports its siblings relatively; loaded on its own, it imports them by name
+#: a saved kernels.py (store or compress) imports its siblings relatively; loaded on its own, it
+#: imports them by name
 _ABSOLUTE = (("from .._layout", "from dsv4ops._layout"), ("from .quant", "from dsv4ops.store.quant"),
              ("from .._triton import", "from dsv4ops._triton import"),
              ("from .._triton_formats", "from dsv4ops._triton_formats"))
 
 
 def load_version(path: str, name: str = "store_kernels_other"):
-    """The store kernels module saved at ``path``, imported under ``name``."""
+    """The kernels module saved at ``path`` (a ``dsv4ops/store/kernels.py`` or
+    ``dsv4ops/compress/kernels.py``), imported under ``name``."""
     src = open(path).read()
     for relative, absolute in _ABSOLUTE:
         src = src.replace(relative, absolute)

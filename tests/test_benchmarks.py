@@ -199,3 +199,24 @@ def test_ab_store_loads_a_saved_kernels_file():
                                    *flags)
             caches.append(cache)
         assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], c["cache"])
+
+
+def test_ab_compress_dry_run(capsys, monkeypatch):
+    """``benchmarks.ab_compress`` runs a saved ``dsv4ops/compress/kernels.py`` (here the working
+    tree's own) against the package's on the ratio-128 prefill and decode setups: same state,
+    same outputs."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the dry run runs the kernels under the interpreter")
+    from benchmarks import ab_compress
+    from benchmarks import run as grid
+    from dsv4ops.compress import kernels as compress_kernels
+
+    for name in ("DRY_RUN", "DEV", "DECODE_MAX_LEN", "DECODE_BATCHES", "PREFILL_TOKENS", "PREFILL_REQUESTS",
+                 "PREFIXES", "STEP_BATCH", "REF_GATHER_LIMIT"):  # what the dry run sets, restored after
+        monkeypatch.setattr(grid, name, getattr(grid, name))
+    ab_compress.main([compress_kernels.__file__, "--dry-run", "--configs", "c128-main", "--tokens", "300",
+                      "--requests", "2", "--batches", "3"])  # two ratio-128 events in the prefill
+    lines = [line for line in capsys.readouterr().out.splitlines() if "c128-main" in line]
+    assert len(lines) == 2, lines
+    assert all("same state: True" in line and "out differs by 0.0e+00" in line for line in lines), lines

@@ -176,6 +176,12 @@ def test_compress_kernels(case):
     sim = ServingSim(r, D, max_seq_len=300 if big else 90, full_page_size=256 if big else 32,
                      swa_page_size=128 if big else 16, **c)
     random_trace(sim, random.Random(2), 8 if big else 16)
+    _check_compress_kernels(sim, r, D)
+
+
+def _check_compress_kernels(sim: ServingSim, r: int, D: int) -> None:
+    """Replay every step of ``sim`` through the kernels (NaN-poisoned outputs, a random state) and
+    hold them to the reference: state bit-identical, every out row written and within tolerance."""
     for out_dtype in (torch.float32, torch.bfloat16):
         for step in sim.steps:
             state = torch.randn(sim.state.shape).to(sim.state_dtype)
@@ -260,6 +266,29 @@ def test_compress_kernels_ratio128_streaming(case, monkeypatch):
     monkeypatch.setattr(compress_kernels, "C128_STREAM_STAGES", 2)
     monkeypatch.setattr(compress_kernels, "C128_STREAM_TILE", (16, 32, 8, 4))  # 8 tiles per window at D 64
     test_compress_kernels(case)
+
+
+@pytest.mark.parametrize("stages", [0, 2], ids=["whole-window", "streaming"])
+def test_compress_kernels_ratio128_score_orders(stages, monkeypatch):
+    """Ratio-128 pooling where the order of the scores matters to an online softmax: per channel,
+    scores rising through the window (the running max grows at every row), falling, all equal, and
+    spread over +-60 (most terms underflow next to the max), in a prefill split at unaligned points
+    (windows partly in the ring) and the decode steps after it."""
+    monkeypatch.setattr(compress_kernels, "C128_STREAM_STAGES", stages)
+    monkeypatch.setattr(compress_kernels, "C128_STREAM_TILE", (16, 32, 8, 4))
+    D = 64
+    sim = ServingSim(128, D, max_seq_len=300, full_page_size=256, swa_page_size=128)
+    pos = torch.arange(sim.tokens.shape[1], dtype=torch.float32)
+    spread = 30 * torch.randn(pos.shape[0], generator=torch.Generator().manual_seed(4))
+    pattern = torch.stack([0.4 * pos, -0.4 * pos, torch.full_like(pos, 3.0), spread], dim=1)
+    channel = torch.arange(D)
+    sim.tokens[:, :, D:] = pattern[:, channel % 4].to(sim.input_dtype).float()
+    sim.step([(0, 100), (1, 200)], decode=False)
+    sim.step([(0, 155), (1, 60)], decode=False, pad=5)  # request 0 ends one short of a window
+    for _ in range(3):
+        sim.step([(0, 1), (1, 1)], decode=True)
+    assert any(step.emitted for step in sim.steps[2:]), "a decode step pools a window"
+    _check_compress_kernels(sim, 128, D)
 
 
 @pytest.mark.parametrize("case", [COMPRESS_CASES[3], COMPRESS_CASES[4]], ids=_case_id)
