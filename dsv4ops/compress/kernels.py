@@ -109,21 +109,21 @@ if HAVE_TRITON:
     @triton.jit
     def _pool_window_tiles(scores, values, STEPS: tl.constexpr):
         """Per-channel softmax pooling of a window held as ``STEPS`` tiles of ``[rows, channels]``
-        (all loaded before this runs). The max and the two sums first combine the tiles element by
-        element, in each thread's registers, so that only three reductions cross threads (one per
-        tile and quantity would each go through shared memory when the rows span several warps)."""
+        (all loaded before this runs): the max, then one pass of exp-weighted sums. The max first
+        combines the tiles element by element, so one reduction crosses threads for it instead of
+        one per tile. (Summing element by element too would leave two such reductions in all, but
+        at 32 channels the ratio-128 decode kernel then spills on sm_90.)"""
         top = scores[0]
         for step in tl.static_range(1, STEPS):
             top = tl.maximum(top, scores[step])
-        m = tl.max(top, axis=0)[None, :]
-        e = tl.exp(scores[0] - m)
-        den = e
-        num = e * values[0]
-        for step in tl.static_range(1, STEPS):
-            e = tl.exp(scores[step] - m)
-            den += e
-            num += e * values[step]
-        return tl.sum(num, axis=0) / tl.sum(den, axis=0)
+        m = tl.max(top, axis=0)
+        num = tl.zeros_like(m)
+        den = tl.zeros_like(m)
+        for step in tl.static_range(STEPS):
+            e = tl.exp(scores[step] - m[None, :])
+            den += tl.sum(e, axis=0)
+            num += tl.sum(e * values[step], axis=0)
+        return num / den
 
     @triton.jit
     def decode_row(state_ptr, input_ptr, ape_ptr, out_ptr, b, d, seq_len, write_loc, page0, page1, num_state_rows,
