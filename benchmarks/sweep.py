@@ -26,13 +26,13 @@ SWEEP_C128 = [(32, 32, 32, 4), (32, 32, 64, 4), (32, 32, 128, 4), (32, 64, 32, 8
 #: ratio-128 pooling: plan rows per program (``C128_ROWS_PER_PROGRAM``)
 SWEEP_C128_ROWS_PER_PROGRAM = [128, 64, 256]
 #: ratio-128 streaming pool (``C128_STREAM_STAGES`` > 0): (tile, stages); the whole-window path
-#: (stages 0, ``C128_TILE``) is the first candidate, to compare against. Since the fifteenth
-#: session the pool keeps an online softmax per row slot, with no reduction across threads in
-#: its loop, so wider channel blocks no longer pay one per tile (the twelfth session's sweep,
-#: of the per-tile reductions, found 64 and 128 channels 25-200% slower than 32)
-SWEEP_C128_STREAM = [((16, 32, 128, 2), 3), ((16, 32, 128, 2), 2), ((8, 32, 128, 1), 3), ((16, 64, 128, 2), 3),
-                     ((8, 64, 128, 2), 3), ((16, 64, 128, 4), 3), ((8, 128, 128, 4), 3), ((4, 128, 128, 2), 4),
-                     ((16, 128, 128, 4), 2), ((32, 32, 128, 4), 2), ((8, 32, 128, 2), 4), ((4, 64, 128, 1), 4)]
+#: (stages 0, ``C128_TILE``) is the first candidate, to compare against
+SWEEP_C128_STREAM = [((16, 32, 64, 2), 3), ((16, 64, 32, 4), 2), ((16, 64, 32, 4), 3), ((32, 32, 32, 4), 2),
+                     ((32, 32, 32, 4), 3), ((32, 64, 32, 8), 2), ((16, 32, 32, 2), 2), ((16, 128, 32, 8), 2),
+                     ((16, 64, 64, 4), 2), ((16, 64, 128, 4), 2), ((8, 128, 64, 4), 3), ((16, 32, 128, 2), 3),
+                     # deeper pipelines: the streaming pool is at 55% of copy bandwidth with 3 tiles in flight
+                     # (4 stages of the default tile and 6 of (8, 32, 128, 2) spill on sm_90; these do not)
+                     ((16, 32, 64, 2), 4), ((16, 32, 128, 4), 4), ((8, 32, 128, 2), 4), ((16, 64, 128, 4), 4)]
 #: ratio-4 pooling with row blocks in a pipelined loop (``C4_STREAM`` stages > 0): ((events,
 #: channels, warps), row blocks per program, stages), rows-fastest grid; the one-block kernel
 #: (stages 0) at ``SWEEP_C4_ONE_BLOCK``'s tile is the first candidate, to compare against

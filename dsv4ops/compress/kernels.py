@@ -347,48 +347,39 @@ if HAVE_TRITON:
         return _pool_window_tiles(scores, values, STEPS)
 
     @triton.jit
-    def _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d, step,
-                          HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr):
-        """Tile ``step`` of a ratio-128 window for channels ``d``: ``(kv, score + ape)``, each
-        ``[BLOCK_W, channels]`` fp32, rows ``j < buffer_len`` from the ring, the rest from the input."""
+    def _pool_c128_event_streaming(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
+                                   HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+                                   STAGES: tl.constexpr):
+        """``_pool_c128_event`` one ``[BLOCK_W, BLOCK_D]`` tile at a time, in a software-pipelined
+        loop (``STAGES`` tiles in flight), with an online softmax: a running max ``m``, and the
+        sums of ``exp(score - m)`` and ``exp(score - m) * kv`` rescaled by ``exp(m_old - m)`` when
+        ``m`` grows. It keeps one tile in registers instead of the whole window.
+
+        (A version that kept the running max and sums per row slot, element by element, with no
+        reduction across threads until the end, ran 5-6% slower at this tile on an H100,
+        fifteenth session: ``docs/performance.md``.)"""
         D: tl.constexpr = HEAD_DIM
         WIDTH: tl.constexpr = 2 * HEAD_DIM
-        j = step * BLOCK_W + tl.arange(0, BLOCK_W)
-        at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
-        ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
-        from_ring = (j < buffer_len)[:, None]
-        kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
-                      tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
-        score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
-                         tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
-        return kv, score + tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
-
-    @triton.jit
-    def _pool_c128_event_streaming(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
-                                   HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, STAGES: tl.constexpr):
-        """``_pool_c128_event`` one ``[BLOCK_W, channels]`` tile at a time, in a software-pipelined
-        loop (``STAGES`` tiles in flight), with an online softmax per row slot: slot ``i`` of the
-        tile sees window rows ``i, i + BLOCK_W, ...`` and keeps, per channel, its running max ``m``
-        and the sums of ``exp(score - m)`` and ``exp(score - m) * kv``. A row above the slot's max
-        rescales the sums by ``exp(m_old - score)``; one below adds ``exp(score - m)``: one
-        exponential per value, computed as ``exp(-|score - m|)``. The loop is element by element,
-        so no value crosses threads until the slots are merged at the end (max over slots, sums
-        rescaled to it); it keeps one tile in registers instead of the whole window."""
-        kv, m = _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d, 0,
-                                  HEAD_DIM, BLOCK_W)
-        den = tl.full(m.shape, 1.0, tl.float32)
-        num = kv
-        for step in tl.range(1, 128 // BLOCK_W, num_stages=STAGES):
-            kv, score = _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d, step,
-                                          HEAD_DIM, BLOCK_W)
-            grows = score > m
-            e = tl.exp(-tl.abs(score - m))
-            num = tl.where(grows, num * e + kv, num + e * kv)
-            den = tl.where(grows, den * e + 1.0, den + e)
-            m = tl.maximum(m, score)
-        top = tl.max(m, axis=0)
-        scale = tl.exp(m - top[None, :])
-        return tl.sum(num * scale, axis=0) / tl.sum(den * scale, axis=0)
+        m = tl.full([BLOCK_D], float("-inf"), tl.float32)
+        num = tl.zeros([BLOCK_D], tl.float32)
+        den = tl.zeros([BLOCK_D], tl.float32)
+        for step in tl.range(0, 128 // BLOCK_W, num_stages=STAGES):
+            j = step * BLOCK_W + tl.arange(0, BLOCK_W)
+            at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
+            ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
+            from_ring = (j < buffer_len)[:, None]
+            kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
+                          tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
+            score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
+                             tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
+            score += tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(score, axis=0))
+            rescale = tl.exp(m - m_new)  # 0 on the first tile (m = -inf)
+            e = tl.exp(score - m_new[None, :])
+            den = den * rescale + tl.sum(e, axis=0)
+            num = num * rescale + tl.sum(e * kv, axis=0)
+            m = m_new
+        return num / den
 
     @triton.jit
     def _pool_c128_kernel(
@@ -426,7 +417,8 @@ if HAVE_TRITON:
                                               event_page1, d, HEAD_DIM, BLOCK_W, BLOCK_D)
                 else:
                     pooled = _pool_c128_event_streaming(state_ptr, input_ptr, ape_ptr, event_ragged,
-                                                        event_buffer_len, event_page1, d, HEAD_DIM, BLOCK_W, STAGES)
+                                                        event_buffer_len, event_page1, d, HEAD_DIM, BLOCK_W,
+                                                        BLOCK_D, STAGES)
                 tl.store(out_ptr + row * D + d, cast_rne(pooled, out_dtype))
 
     # ------------------------------------------------------------------ prefill, pass 2
