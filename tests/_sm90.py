@@ -81,12 +81,44 @@ def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, max_stac
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    interleaved = interleaved_lane_reductions(compiled.asm["ttgir"])
+    assert not interleaved, f"{compiled.metadata.name} reduces along interleaved lane bits: {interleaved}"
     usage = resource_usage(compiled)
     if usage is not None:
         _report(compiled, constexprs, num_warps, usage, signature)
         assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, f"{compiled.metadata.name} spills: {usage}"
         assert usage["stack"] <= max_stack, f"{compiled.metadata.name} has a stack frame: {usage}"
     return compiled
+
+
+def interleaved_lane_reductions(ttgir: str) -> list:
+    """The ``tt.reduce`` ops of a kernel's TTGIR that reduce a linear layout (``#linear*``) along
+    lanes that are not the lowest lane bits: ``(axis, layout name, reduced lane bits)`` of each.
+
+    Triton 3.6 lowers such a reduction with butterfly shuffles over the lowest lane bits, so where
+    the layout puts another axis's bit among the reduced axis's, the shuffles add the wrong lanes:
+    the GPU's result is wrong and the interpreter's is not. The fourteenth session's reshape of a
+    ``[2, 8, 64]`` tile to ``[2, 512]`` before its row sum did this (the row at lane bit 3, columns at
+    bits 0-2 and 4; Triton later builds the shuffle mask from the layout's bases). Blocked layouts
+    are lowered by another path and are not flagged."""
+    import ast
+
+    lanes = {}
+    for name, bases in re.findall(r"^(#linear\d*) = #ttg\.linear<\{.*?lane = (\[\[.*?\]\])", ttgir, re.M):
+        lanes[name] = ast.literal_eval(bases)
+    found = []
+    lines = ttgir.splitlines()
+    for i, line in enumerate(lines):
+        if '"tt.reduce"' not in line:
+            continue
+        axis = int(re.search(r"axis = (\d+)", line).group(1))
+        closing = next(l for l in lines[i + 1:] if l.strip().startswith("}) :"))
+        operands = closing.split("->")[0]
+        for name in set(re.findall(r"(#linear\d*)>", operands)):
+            reduced = [bit for bit, basis in enumerate(lanes[name]) if basis[axis] != 0]
+            if reduced != list(range(len(reduced))):
+                found.append((axis, name, reduced))
+    return found
 
 
 def _tool(name: str) -> str | None:
