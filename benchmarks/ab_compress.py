@@ -64,13 +64,12 @@ def main(argv=None):
     for config in args.configs:
         for tokens in args.tokens:
             s = grid.prefill_setup(config, tokens, args.requests, 0)
-            r, D = s["r"], s["D"]
 
             def prefill(module, state, out, s=s):
                 module.compress_forward(state, s["x"], s["ape"], s["plan_c"], s["plan_w"], out, s["D"], s["r"])
 
             _compare(f"{config} prefill {tokens} tok / {args.requests} req", versions, prefill, s["state"],
-                     torch.empty(s["plan_c"].shape[0], D, device=grid.DEV), grid.compress_prefill_bytes(s), bandwidth)
+                     torch.empty(s["plan_c"].shape[0], s["D"], device=grid.DEV), grid.compress_prefill_bytes(s), bandwidth)
             del s
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

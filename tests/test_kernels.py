@@ -28,7 +28,7 @@ from dsv4ops.testing import PagedPools
 from _asserts import assert_same_bits
 from _serving import ServingSim, random_trace
 from test_planner import GEOMETRIES, NAMES, _random_batch, _t
-from test_store import FORMATS, _case
+from test_store import FORMATS, _case, kernel_and_reference_bytes
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -306,16 +306,9 @@ def test_compress_kernels_ratio128_whole_window(case, rows_per_program, monkeypa
 @pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "extend"])
 def test_store_kernels(fmt, is_decode):
     for page_size in (1, 64):
-        c = _case(fmt, is_decode, 20, page_size, "cpu", seed=page_size + 1)
-        flags = (c["cfg"].get("use_fp4", False), c["cfg"].get("bf16_store", False))
-        want = c["cache"].clone()
-        norm_rope_store_reference(c["kv"], c["plan"], c["weight"], 1e-6, c["freqs"], c["out_loc"], want,
-                                  is_decode, 4, page_size, *flags)
-        dev = KERNEL_DEVICE
-        got = c["cache"].to(dev)
-        store_kernels.norm_rope_store(c["kv"].to(dev), c["plan"].to(dev), c["weight"].to(dev), 1e-6, c["freqs"].to(dev),
-                                      c["out_loc"].to(dev), got, is_decode, 4, page_size, *flags)
-        diff = (got.cpu() != want).nonzero()
+        got, want, _, _ = kernel_and_reference_bytes(store_kernels.norm_rope_store, fmt, is_decode, page_size,
+                                                     KERNEL_DEVICE)
+        diff = (got != want).nonzero()
         assert diff.numel() == 0, f"page_size {page_size}: {diff.shape[0]} bytes differ, first {diff[:4].tolist()}"
 
 

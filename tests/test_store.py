@@ -122,6 +122,22 @@ def _case(fmt: str, is_decode: bool, n: int, page_size: int, device, seed=0):
                 layout=layout, cfg=cfg, r=r)
 
 
+def kernel_and_reference_bytes(store, fmt: str, is_decode: bool, page_size: int, device):
+    """``_case(fmt, is_decode, 20, page_size, seed=page_size + 1)`` stored by ``store`` (a kernels
+    module's ``norm_rope_store``) on ``device`` and by the reference: (the kernel's cache on the
+    CPU, the reference's cache, the poisoned cache before either, the case's layout)."""
+    c = _case(fmt, is_decode, 20, page_size, "cpu", seed=page_size + 1)
+    flags = (c["cfg"].get("use_fp4", False), c["cfg"].get("bf16_store", False))
+    poison = c["cache"].clone()
+    want = c["cache"].clone()
+    norm_rope_store_reference(c["kv"], c["plan"], c["weight"], 1e-6, c["freqs"], c["out_loc"], want,
+                              is_decode, 4, page_size, *flags)
+    got = c["cache"].to(device)
+    store(c["kv"].to(device), c["plan"].to(device), c["weight"].to(device), 1e-6, c["freqs"].to(device),
+          c["out_loc"].to(device), got, is_decode, 4, page_size, *flags)
+    return got.cpu(), want, poison, c["layout"]
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "extend"])
 @pytest.mark.parametrize("page_size", [1, 2, 64])

@@ -21,8 +21,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 from benchmarks.ab_store import load_version  # noqa: E402
 from dsv4ops.store import kernels as current  # noqa: E402
-from dsv4ops.store.reference import norm_rope_store_reference  # noqa: E402
-from test_store import FORMATS, _case  # noqa: E402
+from test_store import FORMATS, kernel_and_reference_bytes  # noqa: E402
 
 
 def differing_slots(got, want, layout, page_size):
@@ -44,19 +43,11 @@ def check(name, module, show_first=False):
         for is_decode in (True, False):
             report = []
             for page_size in (1, 64):
-                c = _case(fmt, is_decode, 20, page_size, "cpu", seed=page_size + 1)
-                flags = (c["cfg"].get("use_fp4", False), c["cfg"].get("bf16_store", False))
-                want = c["cache"].clone()
-                norm_rope_store_reference(c["kv"], c["plan"], c["weight"], 1e-6, c["freqs"], c["out_loc"], want,
-                                          is_decode, 4, page_size, *flags)
-                got = c["cache"].cuda()
-                module.norm_rope_store(c["kv"].cuda(), c["plan"].cuda(), c["weight"].cuda(), 1e-6,
-                                       c["freqs"].cuda(), c["out_loc"].cuda(), got, is_decode, 4, page_size, *flags)
-                got = got.cpu()
-                layout = c["layout"]
+                got, want, poison, layout = kernel_and_reference_bytes(module.norm_rope_store, fmt, is_decode,
+                                                                       page_size, "cuda")
                 slots = differing_slots(got, want, layout, page_size)
                 first = "; ".join(f"{slot}{kind}:{len(v)}@{v[:3]}" for (slot, kind), v in list(slots.items())[:4])
-                report.append(f"ps{page_size} {int((got != want).sum())}/{int((want != c['cache']).sum())} {first}")
+                report.append(f"ps{page_size} {int((got != want).sum())}/{int((want != poison).sum())} {first}")
                 if slots and show_first:
                     page, off = (got != want).nonzero()[0].tolist()
                     start = off - off % layout.slot_bytes if off < layout.page_size * layout.slot_bytes else off
