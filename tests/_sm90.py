@@ -161,6 +161,25 @@ def resource_usage(compiled) -> dict | None:
     return out
 
 
+def fused_fp32_multiply_adds(compiled) -> list | None:
+    """The SASS ``FFMA`` instructions of a compiled kernel that fuse a real product into a real
+    add (neither multiplicand nor the addend the zero register), or None without Triton's
+    cuobjdump. ptxas fuses a PTX ``mul.f32`` into a following ``add.f32`` on its own (its
+    ``--fmad`` default), so a kernel whose PTX has no ``fma.rn.f32`` can still skip the rounding
+    of a product; ``FFMA Rd, RZ, ...`` (the fp64 division and square root's range checks) and
+    ``FFMA Rd, a, b, RZ`` (a product alone) round as the unfused operations do."""
+    cuobjdump = _tool("cuobjdump")
+    if cuobjdump is None:
+        return None
+    sass = _run_on(compiled.asm["cubin"], ".cubin", cuobjdump, "-sass")
+    fused = []
+    for m in re.finditer(r"\bFFMA(?:\.\w+)* [^,]+, ([^,]+), ([^,]+), ([^;]+);", sass):
+        a, b, c = (operand.strip().lstrip("-|") for operand in m.groups())
+        if "RZ" not in (a, b, c):
+            fused.append(m.group(0))
+    return fused
+
+
 def _report(compiled, constexprs: dict, num_warps: int, usage: dict, signature: dict) -> None:
     path = os.environ.get("DSV4OPS_SM90_REPORT")
     if not path:

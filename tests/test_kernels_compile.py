@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from _sm90 import compile_sm90 as _compile, run_variants_in_subprocess
+from _sm90 import compile_sm90 as _compile, fused_fp32_multiply_adds, run_variants_in_subprocess
 
 
 def test_all_kernels_compile_for_sm90():
@@ -69,6 +69,9 @@ def test_variant_store_kernel(fmt, head_dim, is_decode, ratio):
             # interpreter path's a * 512 + 2^23 in the e4m3 rounding (a power-of-two product)
             fused = re.findall(r"fma\.rn\.f32", compiled.asm["ptx"])
             assert not fused, f"{len(fused)} contracted fp32 multiply-adds"
+            # and none that ptxas fuses from a plain mul.f32 and add.f32 (the PTX check cannot see those)
+            fused = fused_fp32_multiply_adds(compiled)
+            assert not fused, f"{len(fused)} fused fp32 multiply-adds in the SASS: {fused[:4]}"
 
 
 @pytest.mark.parametrize("ratio,head_dim", [(4, 512), (4, 128), (128, 512), (128, 64)])
