@@ -8,7 +8,8 @@ paged scatter, all in registers; a block of rows with nothing to store (plan
 padding, decode rows off a chunk boundary) only reads its plan words. A block's
 rows are read while their cache slots are looked up. The arithmetic follows the pinned numerics of
 ``reference.py`` operation by operation (fp64 where the reference uses fp64, IEEE
-fp32 elsewhere, round-to-nearest-even for every rounding to a storage format), so
+fp32 elsewhere with no product fused into an add (``_mul_rn``), round-to-nearest-even
+for every rounding to a storage format), so
 the bytes written are identical to the reference's on the GPU and under the Triton
 interpreter. The bf16 and e4m3 roundings use the GPU's conversion instructions
 (``HW_CAST``); under the interpreter, whose fp8 cast does not round to nearest even,
@@ -21,7 +22,7 @@ import torch
 
 from .._layout import CacheFormat, CacheLayout, cache_format
 from .quant import fp32
-from .._triton import HAVE_TRITON, cdiv, hardware_casts, launch
+from .._triton import HAVE_TRITON, cdiv, hardware_casts, interpreting, launch
 
 if HAVE_TRITON:
     import triton
@@ -64,6 +65,22 @@ if HAVE_TRITON:
             return x.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
         return bf16_bits(x)
 
+    #: compiled for a GPU (inline PTX available), not run by the interpreter (``TRITON_INTERPRET=1``,
+    #: fixed when this module is imported, as the JIT's own mode is)
+    _COMPILED = tl.constexpr(not interpreting())
+
+    @triton.jit
+    def _mul_rn(a, b):
+        """fp32 ``a * b`` rounded on its own, never fused into a following add: LLVM and ptxas fuse a
+        plain fp32 multiply whose result feeds an add into one ``fma``, skipping this rounding (and
+        LLVM turns an fp64 product of two widened fp32 values, rounded back, into that same plain
+        multiply). Compiled: the PTX ``mul.rn.f32``, which neither contracts; interpreted: numpy's
+        fp32 multiply, which nothing fuses."""
+        if _COMPILED:
+            return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        return a * b
+
     @triton.jit
     def _ue8m0_ceil(x):
         """Biased exponent of the smallest power of two >= x (positive finite fp32), int32."""
@@ -77,32 +94,41 @@ if HAVE_TRITON:
 
     @triton.jit
     def _e2m1_code(v):
-        """fp32 -> 4-bit e2m1 code by thresholds (ties toward zero), no negative zero."""
+        """fp32 -> 4-bit e2m1 code, rounded as the thresholds {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5}
+        (ties toward zero), no negative zero. From 1 up the code is the fp32 exponent and top
+        mantissa bit, rounded half down by adding 2^21 - 1 below them; under 1 it is a count of
+        two thresholds. (Checked against the thresholds for every fp32 bit pattern but NaN.)"""
         a = tl.minimum(tl.abs(v), 6.0)
-        idx = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-               + (a > 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32)
-               + (a > 5.0).to(tl.int32))
+        normal = ((a.to(tl.int32, bitcast=True) + 0x1FFFFF) >> 22) - 252  # 252: exponent 127 -> 1, 2 codes each
+        small = (a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32)
+        idx = tl.where(a >= 1.0, normal, small)
         return idx | (((v < 0) & (idx != 0)).to(tl.int32) << 3)
 
     @triton.jit
     def _butterfly(y, BLOCK_M: tl.constexpr, STRIDE: tl.constexpr):
-        """One radix-2 stage over index bit log2(STRIDE): lower index gets u + v, upper u - v."""
-        t = tl.permute(tl.reshape(y, [BLOCK_M, 64 // STRIDE, 2, STRIDE]), [0, 1, 3, 2])
-        u, v = tl.split(t)
-        t = tl.permute(tl.join(u + v, u - v), [0, 1, 3, 2])
-        return tl.reshape(t, [BLOCK_M, 128])
+        """One radix-2 stage of ``[BLOCK_M, 64]`` rows over index bit log2(STRIDE): the lower index of each
+        pair gets u + v, the upper u - v (as u + (-v), the same IEEE operation).
+
+        Each element's partner comes from an xor-reduction over its pair (the xor of both bit patterns,
+        xor-ed with its own), so every stage keeps the rows' register layout: a pair within a thread
+        costs an add, a pair across threads one shuffle more, and nothing goes through shared memory
+        (permuting the pair to the last axis and splitting it made Triton move the whole tile through
+        shared memory at every stage that crossed threads)."""
+        t = tl.reshape(y, [BLOCK_M, 32 // STRIDE, 2, STRIDE])
+        bits = t.to(tl.int32, bitcast=True)
+        partner = (bits ^ tl.xor_sum(bits, axis=2, keep_dims=True)).to(tl.float32, bitcast=True)
+        upper = (tl.arange(0, 2) == 1)[None, None, :, None]
+        return tl.reshape(partner + tl.where(upper, -t, t), [BLOCK_M, 64])
 
     @triton.jit
-    def _hadamard128(y, BLOCK_M: tl.constexpr):
-        """Walsh-Hadamard transform of ``[BLOCK_M, 128]`` rows, bit 0 first, then * fp32(128 ** -0.5)."""
-        y = _butterfly(y, BLOCK_M, 1)
-        y = _butterfly(y, BLOCK_M, 2)
-        y = _butterfly(y, BLOCK_M, 4)
-        y = _butterfly(y, BLOCK_M, 8)
-        y = _butterfly(y, BLOCK_M, 16)
-        y = _butterfly(y, BLOCK_M, 32)
-        y = _butterfly(y, BLOCK_M, 64)
-        return y * 0.08838834764831845  # fp32(128 ** -0.5), exact in fp32 as written
+    def _hadamard128(y_lo, y_hi, BLOCK_M: tl.constexpr):
+        """Walsh-Hadamard transform of ``[BLOCK_M, 128]`` rows given as their halves (elements 0..63 and
+        64..127), bit 0 first, then * fp32(128 ** -0.5): bits 0..5 within each half, bit 6 across them."""
+        for stride in tl.static_range(6):
+            y_lo = _butterfly(y_lo, BLOCK_M, 1 << stride)
+            y_hi = _butterfly(y_hi, BLOCK_M, 1 << stride)
+        scale = 0.08838834764831845  # fp32(128 ** -0.5), exact in fp32 as written
+        return (y_lo + y_hi) * scale, (y_lo - y_hi) * scale
 
     # ------------------------------------------------------------------ shared steps
     @triton.jit
@@ -133,14 +159,14 @@ if HAVE_TRITON:
         return live, page * page_bytes, loc & ((1 << log2_page) - 1)  # int64: caches can exceed 2 GiB
 
     @triton.jit
-    def _rstd(x, eps, HEAD_DIM: tl.constexpr):
-        """``fp32(1 / sqrt(sum(x^2) / D + eps))`` per row, evaluated in fp64 (``x`` is ``[M, D]`` or ``[M, G, C]``)."""
+    def _squares(x):
+        """fp64 ``x * x`` of an fp32 tile (exact: 48 significant bits)."""
         x64 = x.to(tl.float64)
-        sq = x64 * x64
-        if len(x.shape) == 3:
-            sum_sq = tl.sum(tl.sum(sq, axis=2), axis=1)
-        else:
-            sum_sq = tl.sum(sq, axis=1)
+        return x64 * x64
+
+    @triton.jit
+    def _rstd(sum_sq, eps, HEAD_DIM: tl.constexpr):
+        """``fp32(1 / sqrt(sum_sq / D + eps))`` per row, in fp64, from the rows' fp64 sums of squares."""
         return (1.0 / tl.sqrt(sum_sq / HEAD_DIM + eps)).to(tl.float32)  # eps: an fp32 value, widened
 
     @triton.jit
@@ -163,8 +189,11 @@ if HAVE_TRITON:
 
         FP8 pack (448 e4m3 + 7 ue8m0 scales + 64 bf16 rope) or plain bf16. The row is read as
         8 groups of 64 (groups 0..6 are the FP8 groups); the rope tail (group 7) is read a
-        second time as even/odd elements, rotated, and stored as one 32-bit word per pair
-        (bf16 of the even element in the low half).
+        second time (from L1) as a ``[rows, 64]`` tile, with its table row in the same layout, so
+        the pairs split within each thread; each pair is rotated and stored as one 32-bit word
+        (bf16 of the even element in the low half). Every tile the arithmetic meets is read in
+        the layout of the tile it meets (the weight as ``[rows, 8, 64]``, not a shared ``[8, 64]``
+        that would be moved through shared memory into the rows' layout).
         """
         group = tl.arange(0, 8)
         col = tl.arange(0, 64)
@@ -172,29 +201,38 @@ if HAVE_TRITON:
         element = group[:, None] * 64 + col[None, :]  # [8, 64]
         x = tl.load(kv_ptr + rows[:, None, None] * 512 + element[None, :, :], mask=readable[:, None, None],
                     other=0.0).to(tl.float32)
-        rstd = _rstd(x, eps, 512)
-        y = (x * rstd[:, None, None]) * tl.load(weight_ptr + element).to(tl.float32)[None, :, :]
+        # nested sums (within each group, then over the groups). A reshape to [rows, 512] for one sum
+        # gives a linear layout with a row bit among the lane bits, which Triton 3.6 reduces with
+        # the wrong shuffles (tests/_sm90.py checks for that)
+        rstd = _rstd(tl.sum(tl.sum(_squares(x), axis=2), axis=1), eps, 512)
+        # the weight as a [rows, 8, 64] tile in the row's layout (from L1), not a shared [8, 64] tile
+        weight = tl.load(tl.broadcast_to(weight_ptr + element[None, :, :], [rows.shape[0], 8, 64])).to(tl.float32)
+        y = (x * rstd[:, None, None]) * weight
 
-        even = 448 + 2 * pair
-        xe = tl.load(kv_ptr + rows[:, None] * 512 + even[None, :], mask=readable[:, None], other=0.0).to(tl.float32)
-        xo = tl.load(kv_ptr + rows[:, None] * 512 + even[None, :] + 1, mask=readable[:, None], other=0.0).to(tl.float32)
-        ye = (xe * rstd[:, None]) * tl.load(weight_ptr + even).to(tl.float32)[None, :]
-        yo = (xo * rstd[:, None]) * tl.load(weight_ptr + even + 1).to(tl.float32)[None, :]
-        f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
-        re, ro = _rotate(ye, yo, tl.load(f_at, mask=readable[:, None], other=0.0),
-                         tl.load(f_at + 1, mask=readable[:, None], other=0.0))
+        # the rope tail again, as a contiguous [rows, 64] tile, and its table row in the same layout
+        # (cos at even, sin at odd): the pairs are then split within each thread
+        tail = 448 + col
+        xt = tl.load(kv_ptr + rows[:, None] * 512 + tail[None, :], mask=readable[:, None], other=0.0).to(tl.float32)
+        wt = tl.load(tl.broadcast_to(weight_ptr + tail[None, :], [rows.shape[0], 64])).to(tl.float32)
+        yt = (xt * rstd[:, None]) * wt
+        freqs = tl.load(freqs_ptr + pos[:, None] * 64 + col[None, :], mask=readable[:, None], other=0.0)
+        ye, yo = tl.split(tl.reshape(yt, [rows.shape[0], 32, 2]))
+        cos, sin = tl.split(tl.reshape(freqs, [rows.shape[0], 32, 2]))
+        re, ro = _rotate(ye, yo, cos, sin)
         rope_words = _bf16_bits(re, HW_CAST) | (_bf16_bits(ro, HW_CAST) << 16)
 
         slot_at = base + slot * SLOT_BYTES  # byte offset of each row's slot
+        # the 32-bit words of each slot, addressed as int32 elements (offsets of 4 bytes into a byte
+        # pointer look strided to Triton, which then lays the stores out with rows fastest across lanes)
+        slot_words = (cache_ptr + slot_at).to(tl.pointer_type(tl.int32))
         nope = live[:, None, None] & (group < 7)[None, :, None]
         if BF16:
             # two bf16 per 32-bit word (the even element in the low half), so a thread's run of
             # elements goes out in wide stores rather than 2 bytes at a time
             lo, hi = tl.split(tl.reshape(_bf16_bits(y, HW_CAST), [rows.shape[0], 8, 32, 2]))
             word = group[:, None] * 32 + pair[None, :]  # [8, 32]
-            at = (cache_ptr + slot_at[:, None, None] + 4 * word[None, :, :]).to(tl.pointer_type(tl.int32))
-            tl.store(at, lo | (hi << 16), mask=nope)
-            rope_at = cache_ptr + slot_at[:, None] + 896 + 4 * pair[None, :]
+            tl.store(slot_words[:, None, None] + word[None, :, :], lo | (hi << 16), mask=nope)
+            rope_at = slot_words[:, None] + 896 // 4 + pair[None, :]
         else:
             z = _bf16_round(y, HW_CAST)
             exponent = _ue8m0_ceil((tl.maximum(tl.max(tl.abs(z), axis=2), 1e-4).to(tl.float64) / 448.0)
@@ -204,8 +242,8 @@ if HAVE_TRITON:
             scale_at = base + (SLOT_BYTES << log2_page) + slot * SCALE_STRIDE
             tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8),
                      mask=live[:, None] & (group < 7)[None, :])
-            rope_at = cache_ptr + slot_at[:, None] + 448 + 4 * pair[None, :]
-        tl.store(rope_at.to(tl.pointer_type(tl.int32)), rope_words, mask=live[:, None])
+            rope_at = slot_words[:, None] + 448 // 4 + pair[None, :]
+        tl.store(rope_at, rope_words, mask=live[:, None])
 
     @triton.jit
     def _store_main_kernel(
@@ -244,37 +282,49 @@ if HAVE_TRITON:
                             log2_page, FP4: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
                             BLOCK_M: tl.constexpr, HW_CAST: tl.constexpr):
         """Hadamard-rotated rows of 128: FP8 with one fp32 scale, or FP4 (e2m1) with 4 ue8m0 scales.
-        Reads where ``readable``, stores where ``live`` (as ``_store_main_rows``)."""
-        cols = tl.arange(0, 128)
-        x = tl.load(kv_ptr + rows[:, None] * 128 + cols[None, :], mask=readable[:, None], other=0.0).to(tl.float32)
-        rstd = _rstd(x, eps, 128)
-        y = (x * rstd[:, None]) * tl.load(weight_ptr + cols).to(tl.float32)[None, :]
-        # RoPE on the pairs of the last 64 elements: pairs 32..63
-        a, b = tl.split(tl.reshape(y, [BLOCK_M, 64, 2]))
-        pair = tl.arange(0, 64) - 32
-        rotated = (pair >= 0)[None, :]
-        in_table = readable[:, None] & rotated
-        f_at = freqs_ptr + pos[:, None] * 64 + 2 * pair[None, :]
-        ra, rb = _rotate(a, b, tl.load(f_at, mask=in_table, other=0.0), tl.load(f_at + 1, mask=in_table, other=0.0))
-        y = tl.reshape(tl.join(tl.where(rotated, ra, a), tl.where(rotated, rb, b)), [BLOCK_M, 128])
-        h = _hadamard128(y, BLOCK_M)
+        Reads where ``readable``, stores where ``live`` (as ``_store_main_rows``).
+
+        A row is handled as its two halves, ``[BLOCK_M, 64]`` each, in one register layout throughout:
+        RoPE touches only the upper half (its 32 pairs, with the row's 64 table entries read as a
+        contiguous tile in that layout: cos at even, sin at odd), the Hadamard's last stage combines
+        the halves element by element, and the codes of each half go out as contiguous bytes."""
+        half = tl.arange(0, 64)
+        at = kv_ptr + rows[:, None] * 128 + half[None, :]
+        x_lo = tl.load(at, mask=readable[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(at + 64, mask=readable[:, None], other=0.0).to(tl.float32)
+        rstd = _rstd(tl.sum(_squares(x_lo) + _squares(x_hi), axis=1), eps, 128)
+        w_at = tl.broadcast_to(weight_ptr + half[None, :], [BLOCK_M, 64])  # in the rows' layout, from L1
+        # rounded here, as the reference rounds it: the Hadamard's first stage adds it to its partner,
+        # and the compiler would otherwise fuse the product into that add (one rounding, not two)
+        y_lo = _mul_rn(x_lo * rstd[:, None], tl.load(w_at).to(tl.float32))
+        y_hi = (x_hi * rstd[:, None]) * tl.load(w_at + 64).to(tl.float32)
+        freqs = tl.load(freqs_ptr + pos[:, None] * 64 + half[None, :], mask=readable[:, None], other=0.0)
+        a, b = tl.split(tl.reshape(y_hi, [BLOCK_M, 32, 2]))
+        cos, sin = tl.split(tl.reshape(freqs, [BLOCK_M, 32, 2]))
+        a, b = _rotate(a, b, cos, sin)
+        h_lo, h_hi = _hadamard128(y_lo, tl.reshape(tl.join(a, b), [BLOCK_M, 64]), BLOCK_M)
         slot_at = base + slot * SLOT_BYTES
         scale_at = base + (SLOT_BYTES << log2_page) + slot * SCALE_STRIDE
-        if FP4:  # 4 groups of 32 with ue8m0 scales, two codes per byte (even element low)
-            hg = tl.reshape(h, [BLOCK_M, 4, 32])
-            exponent = _ue8m0_ceil((tl.maximum(tl.max(tl.abs(hg), axis=2), 1e-4).to(tl.float64) / 6.0)
-                                   .to(tl.float32))
-            codes = _e2m1_code(hg * _pow2_neg(exponent)[:, :, None])
-            lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, 64, 2]))
-            byte = tl.arange(0, 64)
-            tl.store(cache_ptr + slot_at[:, None] + byte[None, :], (lo | (hi << 4)).to(tl.uint8), mask=live[:, None])
-            group = tl.arange(0, 4)
-            tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8), mask=live[:, None])
+        if FP4:  # 4 groups of 32 (2 per half) with ue8m0 scales, two codes per byte (even element low)
+            byte = tl.arange(0, 32)
+            group = tl.arange(0, 2)
+            for upper in tl.static_range(2):
+                g = tl.reshape(h_hi if upper else h_lo, [BLOCK_M, 2, 32])
+                exponent = _ue8m0_ceil((tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4).to(tl.float64) / 6.0)
+                                       .to(tl.float32))
+                codes = _e2m1_code(g * _pow2_neg(exponent)[:, :, None])
+                lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, 32, 2]))
+                tl.store(cache_ptr + slot_at[:, None] + 32 * upper + byte[None, :], (lo | (hi << 4)).to(tl.uint8),
+                         mask=live[:, None])
+                tl.store(cache_ptr + scale_at[:, None] + 2 * upper + group[None, :], exponent.to(tl.uint8),
+                         mask=live[:, None])
         else:  # one fp32 scale per row
-            scale = (tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4).to(tl.float64) / 448.0).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(h_lo), axis=1), tl.max(tl.abs(h_hi), axis=1))
+            scale = (tl.maximum(amax, 1e-4).to(tl.float64) / 448.0).to(tl.float32)
             inv = (1.0 / scale.to(tl.float64)).to(tl.float32)
-            codes = _e4m3_code(h * inv[:, None], HW_CAST)
-            tl.store(cache_ptr + slot_at[:, None] + cols[None, :], codes.to(tl.uint8), mask=live[:, None])
+            code_at = cache_ptr + slot_at[:, None] + half[None, :]
+            tl.store(code_at, _e4m3_code(h_lo * inv[:, None], HW_CAST).to(tl.uint8), mask=live[:, None])
+            tl.store(code_at + 64, _e4m3_code(h_hi * inv[:, None], HW_CAST).to(tl.uint8), mask=live[:, None])
             tl.store((cache_ptr + scale_at).to(tl.pointer_type(tl.float32)), scale, mask=live)
 
     @triton.jit
