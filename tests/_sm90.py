@@ -194,7 +194,11 @@ def fused_fp32_multiply_adds(compiled) -> list | None:
     cuobjdump = _tool("cuobjdump")
     if cuobjdump is None:
         return None
-    sass = _run_on(compiled.asm["cubin"], ".cubin", cuobjdump, "-sass")
+    return fused_multiply_adds_in(_run_on(compiled.asm["cubin"], ".cubin", cuobjdump, "-sass"))
+
+
+def fused_multiply_adds_in(sass: str) -> list:
+    """The ``FFMA`` instructions of a SASS listing none of whose three sources is the zero register."""
     fused = []
     for m in re.finditer(r"\bFFMA(?:\.\w+)* [^,]+, ([^,]+), ([^,]+), ([^;]+);", sass):
         a, b, c = (operand.strip().lstrip("-|") for operand in m.groups())
