@@ -13,6 +13,7 @@ included). docs/performance.md quotes that table.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import subprocess
@@ -163,6 +164,12 @@ def _run_on(data, suffix: str, *command) -> str:
         return done.stdout + done.stderr
 
 
+@functools.lru_cache(maxsize=8)
+def _sass(cubin: bytes) -> str:
+    """cuobjdump's SASS listing of a cubin (kept for the next check of the same variant)."""
+    return _run_on(cubin, ".cubin", _tool("cuobjdump"), "-sass")
+
+
 def resource_usage(compiled) -> dict | None:
     """ptxas's registers, stack frame and spill bytes (sm_90a, the PTX's target) and the number of
     global loads / stores in the SASS, and of those 128 bits wide; None without Triton's ptxas and cuobjdump."""
@@ -175,7 +182,7 @@ def resource_usage(compiled) -> dict | None:
     assert frame and regs, info
     out = dict(reg=int(regs.group(1)), stack=int(frame.group(1)), spill_stores=int(frame.group(2)),
                spill_loads=int(frame.group(3)))
-    sass = _run_on(compiled.asm["cubin"], ".cubin", cuobjdump, "-sass")
+    sass = _sass(compiled.asm["cubin"])
     out["instructions"] = len(re.findall(r"/\*[0-9a-f]{4}\*/\s+[@A-Z]", sass))  # static: each instruction once
     for op in ("LDG", "STG"):
         accesses = re.findall(rf"\b{op}\.E[.\w]*", sass)
@@ -191,10 +198,9 @@ def fused_fp32_multiply_adds(compiled) -> list | None:
     ``--fmad`` default), so a kernel whose PTX has no ``fma.rn.f32`` can still skip the rounding
     of a product; ``FFMA Rd, RZ, ...`` (the fp64 division and square root's range checks) and
     ``FFMA Rd, a, b, RZ`` (a product alone) round as the unfused operations do."""
-    cuobjdump = _tool("cuobjdump")
-    if cuobjdump is None:
+    if _tool("cuobjdump") is None:
         return None
-    return fused_multiply_adds_in(_run_on(compiled.asm["cubin"], ".cubin", cuobjdump, "-sass"))
+    return fused_multiply_adds_in(_sass(compiled.asm["cubin"]))
 
 
 def fused_multiply_adds_in(sass: str) -> list:
