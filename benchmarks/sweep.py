@@ -53,6 +53,11 @@ SWEEP_C128_DECODE_WARPS = [(32, 4), (32, 8), (32, 2), (16, 4), (16, 2), (8, 2), 
 SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
 #: store, prefill: strided row blocks per program (``PREFILL_BLOCKS``; 16 spills the main kernel)
 SWEEP_STORE_BLOCKS = [1, 2, 4, 8]
+#: store, prefill: (rows per block, row blocks per program, warps) with more warps than the default 4
+#: (``STORE_WARPS``): the same tile over more threads, fewer registers each (sm_90, fp32 kv: main
+#: 8 x 2 at 8 warps 98 registers against 128 at 4; 16 x 1 at 8 warps 88; indexer 16 x 1 at 8 warps 46, 32 x 1 48)
+SWEEP_STORE_WARPS = {"main": [(8, 2, 4), (8, 2, 8), (16, 1, 8), (16, 2, 8), (8, 1, 8)],
+                     "indexer": [(16, 1, 4), (16, 1, 2), (16, 1, 8), (32, 1, 8), (32, 1, 4), (64, 1, 8)]}
 #: store, prefill: token counts (32 requests)
 SWEEP_STORE_TOKENS = (16384, 65536)
 
@@ -140,13 +145,14 @@ def _candidates(grid):
         # ran 18-19% (D 512) and 4-10% (D 128) slower at 64K than at 16K
         cases=((16384, 1), (16384, 32), (4096, 1), (65536, 32)),
         c4=SWEEP_C4, c128=SWEEP_C128, rpps=SWEEP_C128_ROWS_PER_PROGRAM, block_ms=SWEEP_STORE_BLOCK_M,
-        store_blocks=SWEEP_STORE_BLOCKS, store_tokens=SWEEP_STORE_TOKENS,
+        store_blocks=SWEEP_STORE_BLOCKS, store_tokens=SWEEP_STORE_TOKENS, store_warps=SWEEP_STORE_WARPS,
         streams=SWEEP_C128_STREAM, c4_streams=SWEEP_C4_STREAM,
         c4_streams_fastest=SWEEP_C4_STREAM_CHANNELS_FASTEST, block_ds=SWEEP_DECODE_BLOCK_D, warps=SWEEP_C4_WARPS,
         write_tiles=SWEEP_WRITE_TILE, decode_warps=SWEEP_C128_DECODE_WARPS)
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         c.cases = ((grid.PREFILL_TOKENS[0], 32),)
         c.store_tokens = (grid.PREFILL_TOKENS[0],)
+        c.store_warps = {kind: tiles[:2] for kind, tiles in c.store_warps.items()}
         for name in ("c4", "c128", "block_ms", "store_blocks", "write_tiles", "decode_warps"):
             setattr(c, name, getattr(c, name)[:2])
         c.rpps, c.streams, c.c4_streams, c.c4_streams_fastest = [8], c.streams[:1], c.c4_streams[:1], \
@@ -219,11 +225,14 @@ def _sweep_prefill(grid, c):
 
 def _sweep_store(grid, c):
     """The prefill store's rows per block and row blocks per program (``BLOCK_M``,
-    ``PREFILL_BLOCKS``), 32 requests at each of ``c.store_tokens``."""
+    ``PREFILL_BLOCKS``), then those with more warps (``STORE_WARPS``), 32 requests at each of
+    ``c.store_tokens``."""
     for config in grid.GRID_CONFIGS:
         for tokens in c.store_tokens:
             name = f"store {config} {tokens} tok"
-            if grid.SWEEP_GROUPS is not None and not grid.SWEEP_GROUPS.search(name):
+            warps_name = f"store warps {config} {tokens} tok"
+            if grid.SWEEP_GROUPS is not None and not (grid.SWEEP_GROUPS.search(name)
+                                                      or grid.SWEEP_GROUPS.search(warps_name)):
                 continue  # before the setup, which is most of a 64K group's time
             s = grid.prefill_setup(config, tokens, 32, 0)
             r, D = s["r"], s["D"]
@@ -236,6 +245,12 @@ def _sweep_store(grid, c):
                    [(f"BLOCK_M[{kind!r}] prefill {m} PREFILL_BLOCKS[{kind!r}, {r}] {blocks}",
                      [(sk.BLOCK_M, kind, (m, decode_rows)), (sk.PREFILL_BLOCKS, (kind, r), blocks)])
                     for m in c.block_ms for blocks in c.store_blocks if m * blocks <= 128])
+            decode_warps = sk.STORE_WARPS[kind][1]
+            _sweep(grid, warps_name, store_bytes, lambda: sk.norm_rope_store(*args),
+                   [(f"BLOCK_M[{kind!r}] prefill {m} PREFILL_BLOCKS[{kind!r}, {r}] {blocks} STORE_WARPS {warps}",
+                     [(sk.BLOCK_M, kind, (m, decode_rows)), (sk.PREFILL_BLOCKS, (kind, r), blocks),
+                      (sk.STORE_WARPS, kind, (warps, decode_warps))])
+                    for m, blocks, warps in c.store_warps[kind]])
             del s, kv, cache, args
             torch.cuda.empty_cache()
 

@@ -57,7 +57,8 @@ def test_variant_store_kernel(fmt, head_dim, is_decode, ratio):
     # the GPU's fp8 conversion (what a launch on a GPU uses) and the integer rounding the interpreter runs
     for hw_cast in (True, False):
         compiled = _compile(sk._store_main_kernel if main else sk._store_indexer_kernel, types,
-                            dict(consts, HW_CAST=hw_cast), multiples_of_16=PAGE_BYTES_ALIGNED)
+                            dict(consts, HW_CAST=hw_cast), sk.STORE_WARPS[kind][1 if is_decode else 0],
+                            multiples_of_16=PAGE_BYTES_ALIGNED)
         if hw_cast and fmt in (0, 2):  # e4m3 codes: the saturating conversion, which the kernels rely on
             conversions = set(re.findall(r"cvt\.[\w.]*e4m3[\w.]*", compiled.asm["ptx"]))
             assert conversions == {"cvt.rn.satfinite.e4m3x2.f32"}, conversions

@@ -377,6 +377,10 @@ BLOCK_M = {"main": (8, 2), "indexer": (16, 4)}
 #: (A gain of 10% at best, near the run-to-run spread: these kernels are bound by the latency of
 #: the plan, slot and row loads one after the other, not by the blocks of padding.)
 PREFILL_BLOCKS = {("main", 4): 2, ("indexer", 4): 1, ("main", 128): 1, ("indexer", 128): 1}
+#: warps per program, per format family: (prefill, decode). 4 until the sweep's ``store warps`` groups
+#: have run on a GPU: at 4 warps the main store's 128 registers per thread allow 4 programs (16 warps)
+#: per SM, and more warps spread each row block's tiles over more threads
+STORE_WARPS = {"main": (4, 4), "indexer": (4, 4)}
 
 def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is_decode, compress_ratio, page_size,
                     use_fp4=False, bf16_store=False) -> None:
@@ -386,6 +390,7 @@ def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is
     main = head_dim == 512
     kind = "main" if main else "indexer"
     block_m = BLOCK_M[kind][1 if is_decode else 0]
+    num_warps = STORE_WARPS[kind][1 if is_decode else 0]
     kernel = _store_main_kernel if main else _store_indexer_kernel
     flag = dict(BF16=bool(bf16_store)) if main else dict(FP4=bool(use_fp4))
     blocks = 1 if is_decode else PREFILL_BLOCKS[kind, int(compress_ratio)]
@@ -395,5 +400,5 @@ def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is
         page_size.bit_length() - 1, layout.page_bytes,
         **flag, IS_DECODE=bool(is_decode), RATIO=int(compress_ratio),
         SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m,
-        BLOCKS=blocks, HW_CAST=hardware_casts(), num_warps=4,
+        BLOCKS=blocks, HW_CAST=hardware_casts(), num_warps=num_warps,
     )
