@@ -17,7 +17,8 @@
 #   profile   Nsight Compute over one launch of each prefill kernel (16K tokens) and of the decode ops
 #             that miss 5x (benchmarks/profile.py): ncu.csv, and profile.txt with each kernel's time,
 #             DRAM / L2 throughput, occupancy and issue stalls
-# SUITE_SHARD=k/n (e.g. 1/2, then 2/2 in a second call): the suite stage runs every n-th test only.
+# SUITE_SHARD=k/n (e.g. 1/2, then 2/2 in a second call): the suite stage runs every n-th test only;
+# MEMCHECK_SHARD=k/n the same for the memcheck stage.
 # <STAGE>_LIMIT=<seconds> (e.g. SUITE_LIMIT=300) stops a stage with SIGINT after that long, so
 # pytest still names every failure so far; tests/gpu/short_run.sh sets limits that fit one
 # 10-minute device call. Writes <stage>.log and summary.txt to the output dir.
@@ -78,9 +79,17 @@ for stage in ${STAGES:-gpu suite deploy memcheck}; do
       if ! command -v compute-sanitizer >/dev/null; then
         summary "memcheck: compute-sanitizer not found"; status=1; continue
       fi
+      # MEMCHECK_SHARD=k/n: every n-th of these tests from the k-th (92 tests, about 180 s on an H100)
+      mtargets=(tests/test_kernels.py tests/test_decode_step.py tests/test_online.py tests/test_train.py
+                -k "kernels and not compile and not variant")
+      if [ -n "${MEMCHECK_SHARD:-}" ]; then
+        "$py" -m pytest -q --collect-only "${mtargets[@]}" -p no:cacheprovider 2>/dev/null | grep '::' \
+          | awk -v k="${MEMCHECK_SHARD%/*}" -v n="${MEMCHECK_SHARD#*/}" '(NR - 1) % n == k - 1' > "$out/memcheck-shard.txt"
+        mapfile -t mtargets < "$out/memcheck-shard.txt"
+        summary "memcheck shard $MEMCHECK_SHARD: ${#mtargets[@]} tests"
+      fi
       limited memcheck compute-sanitizer --tool memcheck --error-exitcode 1 --log-file "$out/memcheck.log" \
-        "$py" -m pytest -q tests/test_kernels.py tests/test_decode_step.py tests/test_online.py tests/test_train.py \
-        -k "kernels and not compile and not variant" -p no:cacheprovider -rfEp > "$out/memcheck-pytest.log" 2>&1 || status=1
+        "$py" -m pytest -q "${mtargets[@]}" -p no:cacheprovider -rfEp > "$out/memcheck-pytest.log" 2>&1 || status=1
       result="$(grep -h 'ERROR SUMMARY' "$out/memcheck.log" | tail -1); $(pytest_result "$out/memcheck-pytest.log")" ;;
     bench)
       limited bench "$py" -m benchmarks.run ${BENCH_ARGS:---quick --only step} --out "$out/bench" > "$out/bench.log" 2>&1 \
