@@ -403,6 +403,48 @@ if HAVE_TRITON:
         tl.store(out_ptr + i, store_kernels._e2m1_code(x), mask=i < n)
 
 
+    @triton.jit
+    def _scale_exponent_probe_kernel(x_ptr, e4m3_ptr, e2m1_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+        tl.store(e4m3_ptr + i, store_kernels._scale_exponent(x, 8, 0x600000), mask=i < n)
+        tl.store(e2m1_ptr + i, store_kernels._scale_exponent(x, 2, 0x400000), mask=i < n)
+
+
+def _amax_values() -> torch.Tensor:
+    """Non-negative fp32 values for a group's amax: every exponent with mantissas 0, 1, the largest
+    and random ones; the mantissas of 1.75 and 1.5 (the format maxima's) and their neighbours at
+    every exponent; the 1e-4 floor and its neighbours, zero, the largest finite value, infinity."""
+    g = torch.Generator().manual_seed(11)
+    fields = torch.arange(0, 255, dtype=torch.int32)
+    mantissas = torch.cat([torch.tensor([0, 1, 2, 0x7FFFFF, 0x600000, 0x5FFFFF, 0x600001, 0x400000, 0x3FFFFF, 0x400001],
+                                        dtype=torch.int32), torch.randint(0, 1 << 23, (200,), generator=g, dtype=torch.int32)])
+    bits = (fields[:, None] << 23) | mantissas[None, :]
+    x = bits.flatten().view(torch.float32)
+    floor = torch.tensor(1e-4, dtype=torch.float32)
+    edges = torch.stack([floor, torch.nextafter(floor, torch.tensor(0.0)), torch.nextafter(floor, torch.tensor(1.0)),
+                         torch.tensor(0.0), torch.tensor(torch.finfo(torch.float32).max), torch.tensor(float("inf"))])
+    return torch.cat([x, edges, torch.rand(20000, generator=g) * torch.exp2(torch.randint(-30, 30, (20000,), generator=g).float())])
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_scale_exponent_matches_the_division():
+    """The stores' power-of-two group scales, from the amax's exponent and mantissa bits, are the
+    reference's ``ue8m0_ceil(fp32(max(amax, 1e-4) / fmt_max))`` for e4m3 (448) and e2m1 (6) at every
+    exponent, at the mantissas where the quotient crosses a power of two, the floor and infinity."""
+    from dsv4ops.store import quant
+
+    x = _amax_values()
+    e4m3 = torch.empty(x.shape, dtype=torch.int32, device=KERNEL_DEVICE)
+    e2m1 = torch.empty_like(e4m3)
+    _scale_exponent_probe_kernel[(triton.cdiv(x.numel(), 4096),)](x.to(KERNEL_DEVICE), e4m3, e2m1, x.numel(), BLOCK=4096)
+    clamped = torch.clamp_min(x, quant.SCALE_FLOOR)
+    for got, fmt_max in ((e4m3, quant.E4M3_MAX), (e2m1, quant.E2M1_MAX)):
+        want = quant.ue8m0_ceil(quant.div_rn(clamped, fmt_max))
+        bad = (got.cpu() != want).nonzero().flatten()
+        assert bad.numel() == 0, [(x[k].item(), got[k].item(), want[k].item()) for k in bad[:8]]
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_e2m1_code_matches_thresholds():
     """The kernels' e2m1 rounding (exponent bits from 1 up, two thresholds under 1) gives the

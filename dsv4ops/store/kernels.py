@@ -82,10 +82,24 @@ if HAVE_TRITON:
         return a * b
 
     @triton.jit
-    def _ue8m0_ceil(x):
-        """Biased exponent of the smallest power of two >= x (positive finite fp32), int32."""
-        bits = x.to(tl.int32, bitcast=True)
-        return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    def _scale_exponent(amax, LOG2_MAX: tl.constexpr, MAX_MANTISSA: tl.constexpr):
+        """The reference's power-of-two group scale ``ue8m0_ceil(fp32(max(amax, 1e-4) / fmt_max))``
+        (``quant.ue8m0_ceil``: the biased exponent of the smallest power of two >= an IEEE fp32
+        quotient) for a format maximum ``fmt_max = (1 + MAX_MANTISSA / 2^23) * 2^LOG2_MAX``
+        (e4m3: 448 = 1.75 * 2^8; e2m1: 6 = 1.5 * 2^2), without dividing, for amax >= 0.
+
+        With ``m = max(amax, 1e-4) = f * 2^E`` (f in [1, 2)) and ``fmt_max = c * 2^p``, the quotient
+        ``m / fmt_max`` is ``(f / c) * 2^(E - p)``. For f = c it is 2^(E - p) exactly; for f > c it lies
+        strictly between 2^(E - p) and 2^(E - p + 1), and for f < c strictly between 2^(E - p - 1) and
+        2^(E - p), and in both cases at least 2^-23 / c (more than half an fp32 ulp) away from the
+        powers of two, so the fp32 rounding stays strictly between them. The smallest power of two
+        >= the rounded quotient therefore has the biased exponent ``field(m) - p + (f > c)``.
+        Infinities keep the old formula's 255 (``m / fmt_max`` is infinite too)."""
+        bits = tl.maximum(amax, 1e-4).to(tl.int32, bitcast=True)
+        field = (bits >> 23) & 0xFF
+        mantissa = bits & 0x7FFFFF
+        finite = field - LOG2_MAX + (mantissa > MAX_MANTISSA).to(tl.int32)
+        return tl.where(field == 255, 255 + (mantissa != 0).to(tl.int32), finite)
 
     @triton.jit
     def _pow2_neg(e):
@@ -199,27 +213,27 @@ if HAVE_TRITON:
         col = tl.arange(0, 64)
         pair = tl.arange(0, 32)
         element = group[:, None] * 64 + col[None, :]  # [8, 64]
-        x = tl.load(kv_ptr + rows[:, None, None] * 512 + element[None, :, :], mask=readable[:, None, None],
-                    other=0.0).to(tl.float32)
-        # nested sums (within each group, then over the groups). A reshape to [rows, 512] for one sum
-        # gives a linear layout with a row bit among the lane bits, which Triton 3.6 reduces with
-        # the wrong shuffles (tests/_sm90.py checks for that)
-        rstd = _rstd(tl.sum(tl.sum(_squares(x), axis=2), axis=1), eps, 512)
+        # rows that are not read take row 0 of kv instead (never stored; kv has a row wherever this
+        # runs): unmasked loads, with no registers to clear for masked-off lanes. (The table may be
+        # empty, so its loads keep their mask.)
+        rows = tl.where(readable, rows, 0)
+        x = tl.load(kv_ptr + rows[:, None, None] * 512 + element[None, :, :]).to(tl.float32)
+        # The row's fp64 sum of squares, nested (a reshape to [rows, 512] for one sum gives a linear
+        # layout with a row bit among the lane bits, which Triton 3.6 reduces with the wrong shuffles;
+        # tests/_sm90.py checks for that), in the order the tile's layout makes cheap. Triton lays the
+        # tile out for its widest access: the FP8 codes' 16-byte stores give each thread 16 elements of
+        # 2 groups of a row (4 lanes per group, 8 rows per warp, the groups over the warps), so the sum
+        # goes within each group first; the bf16 words give each thread 4 elements of all 8 groups
+        # (16 lanes per row, a warp's rows its own), so it goes over the groups first, within the
+        # thread, and then over the lanes (the other order took 990 of the kernel's 2488 instructions)
+        squares = _squares(x)
+        if BF16 and rows.shape[0] >= 8:  # (with fewer rows than 2 per warp, the warps split the groups)
+            rstd = _rstd(tl.sum(tl.sum(squares, axis=1), axis=1), eps, 512)
+        else:
+            rstd = _rstd(tl.sum(tl.sum(squares, axis=2), axis=1), eps, 512)
         # the weight as a [rows, 8, 64] tile in the row's layout (from L1), not a shared [8, 64] tile
         weight = tl.load(tl.broadcast_to(weight_ptr + element[None, :, :], [rows.shape[0], 8, 64])).to(tl.float32)
         y = (x * rstd[:, None, None]) * weight
-
-        # the rope tail again, as a contiguous [rows, 64] tile, and its table row in the same layout
-        # (cos at even, sin at odd): the pairs are then split within each thread
-        tail = 448 + col
-        xt = tl.load(kv_ptr + rows[:, None] * 512 + tail[None, :], mask=readable[:, None], other=0.0).to(tl.float32)
-        wt = tl.load(tl.broadcast_to(weight_ptr + tail[None, :], [rows.shape[0], 64])).to(tl.float32)
-        yt = (xt * rstd[:, None]) * wt
-        freqs = tl.load(freqs_ptr + pos[:, None] * 64 + col[None, :], mask=readable[:, None], other=0.0)
-        ye, yo = tl.split(tl.reshape(yt, [rows.shape[0], 32, 2]))
-        cos, sin = tl.split(tl.reshape(freqs, [rows.shape[0], 32, 2]))
-        re, ro = _rotate(ye, yo, cos, sin)
-        rope_words = _bf16_bits(re, HW_CAST) | (_bf16_bits(ro, HW_CAST) << 16)
 
         slot_at = base + slot * SLOT_BYTES  # byte offset of each row's slot
         # the 32-bit words of each slot, addressed as int32 elements (offsets of 4 bytes into a byte
@@ -235,14 +249,26 @@ if HAVE_TRITON:
             rope_at = slot_words[:, None] + 896 // 4 + pair[None, :]
         else:
             z = _bf16_round(y, HW_CAST)
-            exponent = _ue8m0_ceil((tl.maximum(tl.max(tl.abs(z), axis=2), 1e-4).to(tl.float64) / 448.0)
-                                   .to(tl.float32))  # [rows, 8]
+            exponent = _scale_exponent(tl.max(tl.abs(z), axis=2), 8, 0x600000)  # [rows, 8]; 448 = 1.75 * 2^8
             codes = _e4m3_code(z * _pow2_neg(exponent)[:, :, None], HW_CAST)
             tl.store(cache_ptr + slot_at[:, None, None] + element[None, :, :], codes.to(tl.uint8), mask=nope)
             scale_at = base + (SLOT_BYTES << log2_page) + slot * SCALE_STRIDE
             tl.store(cache_ptr + scale_at[:, None] + group[None, :], exponent.to(tl.uint8),
                      mask=live[:, None] & (group < 7)[None, :])
             rope_at = slot_words[:, None] + 448 // 4 + pair[None, :]
+
+        # the rope tail again (from L1), as a contiguous [rows, 64] tile, and its table row in the same
+        # layout (cos at even, sin at odd): the pairs are then split within each thread; each pair is
+        # rotated and stored as one 32-bit word (bf16 of the even element in the low half)
+        tail = 448 + col
+        xt = tl.load(kv_ptr + rows[:, None] * 512 + tail[None, :]).to(tl.float32)
+        wt = tl.load(tl.broadcast_to(weight_ptr + tail[None, :], [rows.shape[0], 64])).to(tl.float32)
+        yt = (xt * rstd[:, None]) * wt
+        freqs = tl.load(freqs_ptr + pos[:, None] * 64 + col[None, :], mask=readable[:, None], other=0.0)
+        ye, yo = tl.split(tl.reshape(yt, [rows.shape[0], 32, 2]))
+        cos, sin = tl.split(tl.reshape(freqs, [rows.shape[0], 32, 2]))
+        re, ro = _rotate(ye, yo, cos, sin)
+        rope_words = _bf16_bits(re, HW_CAST) | (_bf16_bits(ro, HW_CAST) << 16)
         tl.store(rope_at, rope_words, mask=live[:, None])
 
     @triton.jit
@@ -289,9 +315,10 @@ if HAVE_TRITON:
         contiguous tile in that layout: cos at even, sin at odd), the Hadamard's last stage combines
         the halves element by element, and the codes of each half go out as contiguous bytes."""
         half = tl.arange(0, 64)
+        rows = tl.where(readable, rows, 0)  # unmasked loads of kv, as in _store_main_rows
         at = kv_ptr + rows[:, None] * 128 + half[None, :]
-        x_lo = tl.load(at, mask=readable[:, None], other=0.0).to(tl.float32)
-        x_hi = tl.load(at + 64, mask=readable[:, None], other=0.0).to(tl.float32)
+        x_lo = tl.load(at).to(tl.float32)
+        x_hi = tl.load(at + 64).to(tl.float32)
         rstd = _rstd(tl.sum(_squares(x_lo) + _squares(x_hi), axis=1), eps, 128)
         w_at = tl.broadcast_to(weight_ptr + half[None, :], [BLOCK_M, 64])  # in the rows' layout, from L1
         # rounded here, as the reference rounds it: the Hadamard's first stage adds it to its partner,
@@ -310,8 +337,7 @@ if HAVE_TRITON:
             group = tl.arange(0, 2)
             for upper in tl.static_range(2):
                 g = tl.reshape(h_hi if upper else h_lo, [BLOCK_M, 2, 32])
-                exponent = _ue8m0_ceil((tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4).to(tl.float64) / 6.0)
-                                       .to(tl.float32))
+                exponent = _scale_exponent(tl.max(tl.abs(g), axis=2), 2, 0x400000)  # 6 = 1.5 * 2^2
                 codes = _e2m1_code(g * _pow2_neg(exponent)[:, :, None])
                 lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, 32, 2]))
                 tl.store(cache_ptr + slot_at[:, None] + 32 * upper + byte[None, :], (lo | (hi << 4)).to(tl.uint8),
