@@ -198,8 +198,9 @@ if HAVE_TRITON:
                          log2_page, BF16: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
                          HW_CAST: tl.constexpr):
         """Normalize, rotate, quantize and store the rows ``rows`` of ``kv`` ``[*, 512]`` where ``live``.
-        The rows and their RoPE positions are read where ``readable`` (a superset of ``live`` that does
-        not wait for the cache-slot lookup, so the two loads are in flight together).
+        ``readable`` (a superset of ``live`` that does not wait for the cache-slot lookup, so the
+        row and slot loads are in flight together) says which rows' kv and RoPE positions are valid;
+        the others read kv row 0 in their place and store nothing.
 
         FP8 pack (448 e4m3 + 7 ue8m0 scales + 64 bf16 rope) or plain bf16. The row is read as
         8 groups of 64 (groups 0..6 are the FP8 groups); the rope tail (group 7) is read a
@@ -403,9 +404,10 @@ BLOCK_M = {"main": (8, 2), "indexer": (16, 4)}
 #: (A gain of 10% at best, near the run-to-run spread: these kernels are bound by the latency of
 #: the plan, slot and row loads one after the other, not by the blocks of padding.)
 PREFILL_BLOCKS = {("main", 4): 2, ("indexer", 4): 1, ("main", 128): 1, ("indexer", 128): 1}
-#: warps per program, per format family: (prefill, decode). 4 until the sweep's ``store warps`` groups
-#: have run on a GPU: at 4 warps the main store's 128 registers per thread allow 4 programs (16 warps)
-#: per SM, and more warps spread each row block's tiles over more threads
+#: warps per program, per format family: (prefill, decode). H100 sweep (2026-12-07, seventeenth
+#: session, 16K / 64K tokens): 8 warps, which spread each tile over more threads with fewer registers
+#: each, were slower for every tile (main 8 x 2: 8.47 / 38.23 us against 5.57 / 23.66 at 4; indexer
+#: 16 x 1: 3.67 / 8.70 against 3.46 / 6.72; 2 warps 3.82 / 7.09)
 STORE_WARPS = {"main": (4, 4), "indexer": (4, 4)}
 
 def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is_decode, compress_ratio, page_size,
