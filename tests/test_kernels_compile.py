@@ -49,16 +49,14 @@ def test_variant_store_kernel(fmt, head_dim, is_decode, ratio):
     layout = CacheLayout(CacheFormat(fmt), 64)
     main = head_dim == 512
     kind = "main" if main else "indexer"
-    block_m = sk.BLOCK_M[kind][1 if is_decode else 0]
+    block_m, blocks, warps = sk.launch_shape(kind, is_decode, ratio)
     flag = dict(BF16=fmt == 1) if main else dict(FP4=fmt == 3)
     consts = dict(**flag, IS_DECODE=is_decode, RATIO=ratio, SLOT_BYTES=layout.slot_bytes,
-                  SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m,
-                  BLOCKS=1 if is_decode else sk.PREFILL_BLOCKS[kind, ratio])
+                  SCALE_STRIDE=layout.scale_stride, BLOCK_M=block_m, BLOCKS=blocks)
     # the GPU's fp8 conversion (what a launch on a GPU uses) and the integer rounding the interpreter runs
     for hw_cast in (True, False):
         compiled = _compile(sk._store_main_kernel if main else sk._store_indexer_kernel, types,
-                            dict(consts, HW_CAST=hw_cast), sk.STORE_WARPS[kind][1 if is_decode else 0],
-                            multiples_of_16=PAGE_BYTES_ALIGNED)
+                            dict(consts, HW_CAST=hw_cast), warps, multiples_of_16=PAGE_BYTES_ALIGNED)
         if hw_cast and fmt in (0, 2):  # e4m3 codes: the saturating conversion, which the kernels rely on
             conversions = set(re.findall(r"cvt\.[\w.]*e4m3[\w.]*", compiled.asm["ptx"]))
             assert conversions == {"cvt.rn.satfinite.e4m3x2.f32"}, conversions

@@ -228,7 +228,7 @@ if HAVE_TRITON:
         # (16 lanes per row, a warp's rows its own), so it goes over the groups first, within the
         # thread, and then over the lanes (the other order took 990 of the kernel's 2488 instructions)
         squares = _squares(x)
-        if BF16 and rows.shape[0] >= 8:  # (with fewer rows than 2 per warp, the warps split the groups)
+        if BF16 and rows.shape[0] >= 8:  # (at 4 warps; with fewer rows than 2 per warp the warps split the groups)
             rstd = _rstd(tl.sum(tl.sum(squares, axis=1), axis=1), eps, 512)
         else:
             rstd = _rstd(tl.sum(tl.sum(squares, axis=2), axis=1), eps, 512)
@@ -309,7 +309,7 @@ if HAVE_TRITON:
                             log2_page, FP4: tl.constexpr, SLOT_BYTES: tl.constexpr, SCALE_STRIDE: tl.constexpr,
                             BLOCK_M: tl.constexpr, HW_CAST: tl.constexpr):
         """Hadamard-rotated rows of 128: FP8 with one fp32 scale, or FP4 (e2m1) with 4 ue8m0 scales.
-        Reads where ``readable``, stores where ``live`` (as ``_store_main_rows``).
+        ``readable`` and ``live`` as in ``_store_main_rows`` (rows not readable read kv row 0 and store nothing).
 
         A row is handled as its two halves, ``[BLOCK_M, 64]`` each, in one register layout throughout:
         RoPE touches only the upper half (its 32 pairs, with the row's 64 table entries read as a
@@ -410,6 +410,15 @@ PREFILL_BLOCKS = {("main", 4): 2, ("indexer", 4): 1, ("main", 128): 1, ("indexer
 #: 16 x 1: 3.67 / 8.70 against 3.46 / 6.72; 2 warps 3.82 / 7.09)
 STORE_WARPS = {"main": (4, 4), "indexer": (4, 4)}
 
+
+def launch_shape(kind: str, is_decode: bool, compress_ratio: int) -> tuple:
+    """(rows per block, row blocks per program, warps) of a store launch, from ``BLOCK_M``,
+    ``PREFILL_BLOCKS`` and ``STORE_WARPS``; ``kind`` is "main" (D = 512) or "indexer" (D = 128)."""
+    phase = 1 if is_decode else 0
+    blocks = 1 if is_decode else PREFILL_BLOCKS[kind, int(compress_ratio)]
+    return BLOCK_M[kind][phase], blocks, STORE_WARPS[kind][phase]
+
+
 def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is_decode, compress_ratio, page_size,
                     use_fp4=False, bf16_store=False) -> None:
     """Launch the fused kernel (arguments as ``torch.ops.dsv4ops.compress_norm_rope_store``)."""
@@ -417,11 +426,9 @@ def norm_rope_store(kv, plan, norm_weight, norm_eps, freqs, out_loc, kvcache, is
     layout = CacheLayout(cache_format(head_dim, use_fp4, bf16_store), page_size)
     main = head_dim == 512
     kind = "main" if main else "indexer"
-    block_m = BLOCK_M[kind][1 if is_decode else 0]
-    num_warps = STORE_WARPS[kind][1 if is_decode else 0]
+    block_m, blocks, num_warps = launch_shape(kind, is_decode, compress_ratio)
     kernel = _store_main_kernel if main else _store_indexer_kernel
     flag = dict(BF16=bool(bf16_store)) if main else dict(FP4=bool(use_fp4))
-    blocks = 1 if is_decode else PREFILL_BLOCKS[kind, int(compress_ratio)]
     launch(kernel)[(cdiv(cdiv(kv.shape[0], block_m), blocks),)](
         kv, plan.view(torch.int32), norm_weight, freqs, out_loc, kvcache,
         kv.shape[0], out_loc.shape[0], freqs.shape[0], kvcache.numel() // layout.page_bytes, fp32(norm_eps),
