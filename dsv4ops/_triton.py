@@ -72,5 +72,15 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
+def at_least(n, threshold: int):
+    """1 if ``n >= threshold``, else 0, by min/max arithmetic on ``n``.
+
+    Under torch.compile a size ``n`` is symbolic, and a launcher that compares it (``if n >= t``)
+    adds a guard: the graph is then specialized to one side of ``t`` and recompiles on the other.
+    Scaling two launches' grids by ``at_least(n, t)`` and ``1 - at_least(n, t)`` picks one of two
+    kernels by size without a guard (Triton skips a launch whose grid is empty)."""
+    return torch.sym_min(1, torch.sym_max(0, n - threshold + 1))
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())

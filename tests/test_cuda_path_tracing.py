@@ -50,15 +50,21 @@ def cuda_path(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("r,D", [(4, 128), (128, 512)])
-def test_variant_layer_prefill_and_decode(cuda_path, r, D):
-    """Chunked prefills of different token counts, then decodes of batch 1 to 32: one graph each."""
+@pytest.mark.parametrize("r,D,large_from", [(4, 128, None), (4, 128, 1000), (128, 512, None)],
+                         ids=["r4-D128", "r4-D128-C4_LARGE-1000", "r128-D512"])
+def test_variant_layer_prefill_and_decode(cuda_path, monkeypatch, r, D, large_from):
+    """Chunked prefills of different token counts, then decodes of batch 1 to 32: one graph each.
+    ``large_from``: the ratio-4 pool takes ``C4_LARGE`` settings from plans of this many rows, so the
+    prefills (about 190 to 2000 tokens) fall on both sides of it."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    from dsv4ops.compress import kernels as compress_kernels
     from dsv4ops.layer import mark_dynamic_tokens
     from dsv4ops.testing import make_batch
     from test_compile import _layer_and_pools, _step_args
 
+    if large_from is not None:
+        monkeypatch.setitem(compress_kernels.C4_LARGE, 128, (large_from, (4, 64, 2), (2, 4), True))
     layer, pools = _layer_and_pools(r, D)
     gen = torch.Generator().manual_seed(0)
     prefill_counter = CompileCounterWithBackend("aot_eager")

@@ -217,7 +217,7 @@ def test_compress_kernels_ratio4_d512_settings(case, monkeypatch):
     """The test cases' head_dims (<= 256) take the D 128 entries of the ratio-4 tables; this runs them
     with the D 512 entries (its tile, pipelined blocks and grid order), the settings DeepSeek-V4's main
     compressor runs with."""
-    for table in ("C4_TILE", "C4_STREAM", "C4_CHANNELS_FASTEST"):
+    for table in ("C4_TILE", "C4_STREAM", "C4_CHANNELS_FASTEST", "C4_LARGE"):
         entries = getattr(compress_kernels, table)
         monkeypatch.setattr(compress_kernels, table, {512: entries[512], 128: entries[512]})
     test_compress_kernels(case)
@@ -255,6 +255,44 @@ def test_compress_kernels_ratio4_pipelined(case, events, blocks, channels_fastes
             padding = torch.cat([padding, torch.ones(-len(padding) % rows, dtype=torch.bool)]).view(-1, rows)
             kinds |= {"all padding" if p.all() else "mixed" if p.any() else "no padding" for p in padding}
     assert {"all padding", "mixed"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("min_rows", [0, 40], ids=["every-plan", "split"])
+def test_compress_kernels_ratio4_large_plans(min_rows, monkeypatch):
+    """Ratio-4 prefill with ``C4_LARGE``: plans of at least ``min_rows`` rows pool with its settings
+    (here the one-block D 128 default below and 2 x 2 pipelined blocks, channel blocks together,
+    above), the smaller ones with the defaults, and every plan of the trace gets the same bits from
+    both launches together as from one. The split runs plans on both sides of the size."""
+    monkeypatch.setattr(compress_kernels, "C4_LARGE", {512: None, 128: (min_rows, (2, 64, 4), (2, 2), True)})
+    case = COMPRESS_CASES[0]
+    test_compress_kernels(case)
+    sim = ServingSim(4, case["D"], max_seq_len=90, full_page_size=32, swa_page_size=16)
+    random_trace(sim, random.Random(2), 16)
+    sizes = {step.plan.plan_c.shape[0] >= min_rows for step in sim.steps if not step.plan.is_decode}
+    assert sizes == ({True} if min_rows == 0 else {False, True}), sizes
+
+
+def test_c4_launches_pick_by_plan_size(monkeypatch):
+    """``c4_launches``: one launch where ``C4_LARGE`` has no entry; else, for a concrete size, only
+    the launch its side of the threshold takes, and for a symbolic one both, shares summing to 1."""
+    monkeypatch.setattr(compress_kernels, "C4_LARGE", {512: None, 128: (1000, (4, 64, 2), (2, 4), True)})
+    default = (compress_kernels.c4_tile(128), compress_kernels.c4_stream(128), compress_kernels.C4_CHANNELS_FASTEST[128])
+    assert compress_kernels.c4_launches(512, 5000) == [(1, compress_kernels.c4_tile(512),
+                                                        compress_kernels.c4_stream(512),
+                                                        compress_kernels.C4_CHANNELS_FASTEST[512])]
+    assert compress_kernels.c4_launches(128, 999) == [(1, *default)]
+    assert compress_kernels.c4_launches(128, 1000) == [(1, (4, 64, 2), (2, 4), True)]
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    rows = env.create_unbacked_symint()
+    launches = compress_kernels.c4_launches(128, rows)
+    assert [launch[1:] for launch in launches] == [default, ((4, 64, 2), (2, 4), True)]
+    assert not env.guards, env.guards
+    shares = [launch[0] for launch in launches]
+    for n, want in ((0, [1, 0]), (999, [1, 0]), (1000, [0, 1]), (70000, [0, 1])):
+        got = [int(share.node.expr.subs(rows.node.expr, n)) for share in shares]
+        assert got == want, (n, got)
 
 
 @pytest.mark.parametrize("case", [COMPRESS_CASES[3], COMPRESS_CASES[4]], ids=_case_id)

@@ -89,7 +89,11 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
         events, channels, warps = ck.c4_tile(head_dim)
         # one block per program, and blocks in a pipelined loop (C4_STREAM's (stages, blocks); (2, 4) where off)
         pipelined = ck.c4_stream(head_dim) if ck.c4_stream(head_dim)[0] else (2, 4)
-        for stages, blocks in ((0, 1), pipelined):
+        launches = [((events, channels, warps), stream) for stream in ((0, 1), pipelined)]
+        large = ck.C4_LARGE[ck.c4_key(head_dim)]
+        if large is not None:  # the large plans' launch too
+            launches.append((large[1], large[2] if large[2][0] else (0, 1)))
+        for (events, channels, warps), (stages, blocks) in launches:
             _compile(ck._pool_c4_kernel, counts,
                      dict(HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=ck._channel_block(head_dim, channels),
                           BLOCKS=blocks, STAGES=stages, CHANNELS_FASTEST=channels_fastest), warps)

@@ -10,7 +10,8 @@ Prefill, pass 1 (pooling, every CompressPlan row):
 
 * ratio 4 (``_pool_c4_kernel``): one program per block of ``BLOCK_E`` consecutive
   plan rows x ``BLOCK_D`` channels (or, where ``C4_STREAM`` sets stages > 0 for the
-  head_dim, per several such blocks in a software-pipelined loop). Each of the 8 window
+  head_dim, per several such blocks in a software-pipelined loop; ``C4_LARGE`` may give
+  large plans other settings than small ones, without a guard under torch.compile). Each of the 8 window
   rows is one 2-D tile ``[BLOCK_E, BLOCK_D]`` (contiguous channels of one input or state row per event);
   all 16 tiles (kv and score) are loaded before any arithmetic, so a program has all
   of its bytes in flight at once, and the softmax is a two-pass one over registers.
@@ -41,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from .._layout import coff
-from .._triton import HAVE_TRITON, cdiv, interpreting, launch, next_pow2
+from .._triton import HAVE_TRITON, at_least, cdiv, interpreting, launch, next_pow2
 
 if HAVE_TRITON:
     import triton
@@ -487,6 +488,15 @@ C4_STREAM = {512: (2, 4), 128: (0, 4)}
 #: (H100, twelfth session); the H200 sweep of the one-block kernels found no gain for D 512
 #: (fifth session), and ratio 128 and the decode grids slower, so those keep ``CHANNELS_FASTEST``.
 C4_CHANNELS_FASTEST = {512: True, 128: False}
+#: ratio-4 pooling for large plans, per head_dim (keyed as ``C4_TILE``): ``(min plan rows, tile,
+#: (stages, blocks), channels fastest)`` replaces the three entries above for plans of at least that
+#: many rows (CompressPlans have one row per query token); None: one launch for every size. Both
+#: launches are made, their grids scaled by ``at_least(plan rows, min)`` and its complement, so the
+#: choice adds no guard under torch.compile. H100 sweep (ninth session), D 128, one block per program
+#: at (8, 64, 4) against 2 stages x 4 blocks at (4, 64, 2) with the channel blocks together: 4K
+#: tokens 6.08 us against 11.13 (the pipelined grid has 128 programs with rows for 132 SMs), 16K
+#: 20.06-20.81 against 20.25-20.90, 64K 86.74 (66%) against 69.36 (83%).
+C4_LARGE = {512: None, 128: (16384, (4, 64, 2), (2, 4), True)}
 #: ratio-128 pooling, whole window in registers (``C128_STREAM_STAGES`` 0): (window rows per tile,
 #: channels per program, plan rows read per vector, warps)
 C128_TILE = (32, 32, 32, 4)
@@ -536,6 +546,22 @@ def c4_stream(head_dim: int) -> tuple:
     return (stages, blocks) if stages else (0, 1)
 
 
+def c4_launches(head_dim: int, plan_rows) -> list:
+    """The ratio-4 pool's launches for a plan of ``plan_rows`` rows: ``(share, tile, (stages, blocks),
+    channels fastest)`` each, its grid scaled by ``share`` (1 or 0; symbolic under torch.compile). One
+    launch with ``C4_TILE``, ``C4_STREAM`` and ``C4_CHANNELS_FASTEST``, or, where ``C4_LARGE`` has an
+    entry, that launch for plans below its row count and its own above."""
+    key = c4_key(head_dim)
+    default = (c4_tile(head_dim), c4_stream(head_dim), C4_CHANNELS_FASTEST[key])
+    if C4_LARGE[key] is None:
+        return [(1, *default)]
+    min_rows, tile, (stages, blocks), channels_fastest = C4_LARGE[key]
+    large = at_least(plan_rows, min_rows)
+    launches = [(1 - large, *default), (large, tile, (stages, blocks) if stages else (0, 1), channels_fastest)]
+    # a concrete size (eager, or a static shape) launches only the kernel it picks
+    return [launch for launch in launches if not isinstance(launch[0], int) or launch[0]]
+
+
 def _channel_block(head_dim: int, wanted: int) -> int:
     """Largest power of two <= ``wanted`` that divides ``head_dim`` (kernels need no channel masks)."""
     block = min(wanted, next_pow2(head_dim))
@@ -560,14 +586,14 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
         return
     num_inputs = kv_score_input.shape[0]
     if r == 4:
-        events, channels, warps = c4_tile(head_dim)
-        channels = _channel_block(head_dim, channels)
-        stages, blocks = c4_stream(head_dim)
-        launch(_pool_c4_kernel)[(cdiv(plan.shape[0], events * blocks) * (head_dim // channels),)](
-            kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs,
-            HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, BLOCKS=blocks, STAGES=stages,
-            CHANNELS_FASTEST=C4_CHANNELS_FASTEST[c4_key(head_dim)], num_warps=warps,
-        )
+        for share, (events, channels, warps), (stages, blocks), channels_fastest in c4_launches(head_dim,
+                                                                                              plan.shape[0]):
+            channels = _channel_block(head_dim, channels)
+            launch(_pool_c4_kernel)[(cdiv(plan.shape[0], events * blocks) * (head_dim // channels) * share,)](
+                kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs,
+                HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=channels, BLOCKS=blocks, STAGES=stages,
+                CHANNELS_FASTEST=channels_fastest, num_warps=warps,
+            )
     else:
         rows, channels, chunk, warps = C128_STREAM_TILE if C128_STREAM_STAGES else C128_TILE
         channels = _channel_block(head_dim, channels)
