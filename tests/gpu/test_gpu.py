@@ -163,3 +163,36 @@ def test_compiled_layer_writes_buffers_in_place(decode):
     assert growth < cache_bytes // 8, f"peak grew by {growth} B (cache {cache_bytes} B)"
     kernels = ("_decode_step_c4_kernel",) if decode else ("_pool_c4_kernel", "_write_kernel", "_store_main_kernel")
     assert all(k in code for k in kernels), "Inductor sees the Triton kernels"
+
+
+def test_compiled_prefill_across_the_large_plan_size(monkeypatch):
+    """Inductor on CUDA, dynamic token count, the indexer's ratio-4 pool switching launches at a
+    plan size (``C4_LARGE``, here from 1000 rows): prefills on both sides of it compile once, and
+    each step matches eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dsv4ops.compress import kernels as compress_kernels
+    from dsv4ops.layer import mark_dynamic_tokens
+
+    monkeypatch.setitem(compress_kernels.C4_LARGE, 128, (1000, (4, 64, 2), (2, 4), True))
+    r, D = 4, 128
+    gen = torch.Generator().manual_seed(0)
+    pools = PagedPools(max_requests=32, max_seq_len=1024, swa_page_size=128, full_page_size=256, device="cuda")
+    eager = _layer(r, D, pools, 1024)
+    compiled_layer = copy.deepcopy(eager)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(compiled_layer, backend=counter, fullgraph=True)
+    seq, written = {}, []
+    for step, chunk in enumerate((37, 5, 61, 3)):  # about 1200, 190, 1980 and 130 tokens
+        batch = make_batch([(i, chunk + i % 3) for i in range(32)], seq, decode=False)
+        args = _args(pools, batch, r, gen)
+        mark_dynamic_tokens(args[0], args[1], args[2], args[3], args[6])
+        want = eager(*args)
+        torch.testing.assert_close(compiled(*args), want, rtol=1e-5, atol=1e-5)
+        written.append(args[6])
+        for rid, pos in batch.rows:
+            seq[rid] = pos + 1
+    assert counter.frame_count == 1, "recompiled for a token count on the other side of the plan size"
+    assert_layer_states_match(compiled_layer, eager)
+    layout = CacheLayout(cache_format(D, False, False), 256 // r)
+    assert_caches_equivalent(compiled_layer.kvcache, eager.kvcache, torch.cat(written), layout)
