@@ -11,8 +11,9 @@ Prefill, pass 1 (pooling, every CompressPlan row):
 * ratio 4 (``_pool_c4_kernel``): one program per block of ``BLOCK_E`` consecutive
   plan rows x ``BLOCK_D`` channels (or, where ``C4_STREAM`` sets stages > 0 for the
   head_dim, per several such blocks in a software-pipelined loop; ``C4_LARGE`` may give
-  large plans other settings than small ones, without a guard under torch.compile). Each of the 8 window
-  rows is one 2-D tile ``[BLOCK_E, BLOCK_D]`` (contiguous channels of one input or state row per event);
+  large plans other settings, chosen without a guard under torch.compile). Each of the 8
+  window rows is one 2-D tile ``[BLOCK_E, BLOCK_D]`` (contiguous channels of one input or
+  state row per event);
   all 16 tiles (kv and score) are loaded before any arithmetic, so a program has all
   of its bytes in flight at once, and the softmax is a two-pass one over registers.
   Consecutive events of one request read consecutive input rows, so a program
