@@ -131,7 +131,9 @@ def sweep_tiles(grid):
     pipelined loop (``C4_STREAM``), and the prefill write pass's tile (``WRITE_TILE``). Each group
     ends with its fastest candidate."""
     candidates = _candidates(grid)
-    _sweep_prefill(grid, candidates)
+    # each pooling candidate timed as it is, without the large plans' launch (C4_LARGE) replacing it
+    with _using(*[(ck.C4_LARGE, key, None) for key in ck.C4_LARGE]):
+        _sweep_prefill(grid, candidates)
     _sweep_store(grid, candidates)
     _sweep_decode(grid, candidates)
     _sweep_c128_decode_latency(grid, candidates)
@@ -175,53 +177,50 @@ def _sweep_prefill(grid, c):
             nbytes = grid.compress_prefill_bytes(s)
             shape = f"{config} {tokens} tok / {requests} req"
             run = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)  # noqa: E731
-            # each candidate timed as it is, without the large plans' launch (C4_LARGE) replacing it
-            off = [(ck.C4_LARGE, ck.c4_key(D), None)] if r == 4 else []
-            with _using(*off):
-                if not large:
-                    if r == 4:
-                        tiles = [(f"C4_TILE[{D}] {tile}", [(ck.C4_TILE, D, tile)]) for tile in c.c4]
-                    else:
-                        pairs = [(tile, c.rpps[0]) for tile in c.c128] + [(ck.C128_TILE, rpp) for rpp in c.rpps[1:]]
-                        tiles = [(f"C128_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
-                                  [(ck, "C128_TILE", tile), (ck, "C128_ROWS_PER_PROGRAM", rpp)])
-                                 for tile, rpp in pairs]
-                    _sweep(grid, f"prefill {shape}", nbytes, run, tiles)
-                if r == 4:  # ratio-4 pooling has a grid order of its own, per head_dim
-                    key = ck.c4_key(D)
-                    _sweep(grid, f"grid order, prefill {shape}", nbytes, run,
-                           [(f"C4_CHANNELS_FASTEST[{key}] {fastest}", [(ck.C4_CHANNELS_FASTEST, key, fastest)])
-                            for fastest in (False, True)])
+            if not large:
+                if r == 4:
+                    tiles = [(f"C4_TILE[{D}] {tile}", [(ck.C4_TILE, D, tile)]) for tile in c.c4]
                 else:
-                    _sweep(grid, f"grid order, prefill {shape}", nbytes, run, _grid_orders())
-                if not large:
-                    _sweep(grid, f"write tile, prefill {shape}", nbytes, run,
-                           [(f"WRITE_TILE {tile}", [(ck, "WRITE_TILE", tile)]) for tile in c.write_tiles])
-                if r == 4:  # one block of rows per program, against blocks in a pipelined loop, in each grid order
+                    pairs = [(tile, c.rpps[0]) for tile in c.c128] + [(ck.C128_TILE, rpp) for rpp in c.rpps[1:]]
+                    tiles = [(f"C128_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
+                              [(ck, "C128_TILE", tile), (ck, "C128_ROWS_PER_PROGRAM", rpp)])
+                             for tile, rpp in pairs]
+                _sweep(grid, f"prefill {shape}", nbytes, run, tiles)
+            if r == 4:  # ratio-4 pooling has a grid order of its own, per head_dim
+                key = ck.c4_key(D)
+                _sweep(grid, f"grid order, prefill {shape}", nbytes, run,
+                       [(f"C4_CHANNELS_FASTEST[{key}] {fastest}", [(ck.C4_CHANNELS_FASTEST, key, fastest)])
+                        for fastest in (False, True)])
+            else:
+                _sweep(grid, f"grid order, prefill {shape}", nbytes, run, _grid_orders())
+            if not large:
+                _sweep(grid, f"write tile, prefill {shape}", nbytes, run,
+                       [(f"WRITE_TILE {tile}", [(ck, "WRITE_TILE", tile)]) for tile in c.write_tiles])
+            if r == 4:  # one block of rows per program, against blocks in a pipelined loop, in each grid order
 
-                    def pipelined(tile, blocks, stages, fastest):
-                        return [(ck.C4_STREAM, key, (stages, blocks)), (ck.C4_TILE, key, tile),
-                                (ck.C4_CHANNELS_FASTEST, key, fastest)]
+                def pipelined(tile, blocks, stages, fastest):
+                    return [(ck.C4_STREAM, key, (stages, blocks)), (ck.C4_TILE, key, tile),
+                            (ck.C4_CHANNELS_FASTEST, key, fastest)]
 
-                    one_block = SWEEP_C4_ONE_BLOCK[key]
-                    _sweep(grid, f"pipelined, prefill {shape}", nbytes, run,
-                           [(f"C4_STREAM[{key}] (0, -) C4_TILE[{key}] {one_block} (one block per program)",
-                             pipelined(one_block, 1, 0, False))]
-                           + [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile}",
-                               pipelined(tile, blocks, stages, False))
-                              for tile, blocks, stages in c.c4_streams])
-                    _sweep(grid, f"grid order, pipelined, prefill {shape}", nbytes, run,
-                           [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile} C4_CHANNELS_FASTEST[{key}] True",
-                             pipelined(tile, blocks, stages, True))
-                            for tile, blocks, stages in c.c4_streams_fastest])
-                if r == 128:  # the whole window in registers, against tile-by-tile pooling (online softmax)
-                    _sweep(grid, f"streaming, prefill {shape}", nbytes, run,
-                           [("C128_STREAM_STAGES 0 (whole window)", [(ck, "C128_STREAM_STAGES", 0)])]
-                           + [(f"C128_STREAM_STAGES {stages} C128_STREAM_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
-                               [(ck, "C128_STREAM_STAGES", stages), (ck, "C128_STREAM_TILE", tile),
-                                (ck, "C128_ROWS_PER_PROGRAM", rpp)])
-                              for (tile, stages), rpp in [(stream, c.rpps[0]) for stream in c.streams]
-                              + [(c.streams[0], rpp) for rpp in c.rpps[1:]]])
+                one_block = SWEEP_C4_ONE_BLOCK[key]
+                _sweep(grid, f"pipelined, prefill {shape}", nbytes, run,
+                       [(f"C4_STREAM[{key}] (0, -) C4_TILE[{key}] {one_block} (one block per program)",
+                         pipelined(one_block, 1, 0, False))]
+                       + [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile}",
+                           pipelined(tile, blocks, stages, False))
+                          for tile, blocks, stages in c.c4_streams])
+                _sweep(grid, f"grid order, pipelined, prefill {shape}", nbytes, run,
+                       [(f"C4_STREAM[{key}] ({stages}, {blocks}) C4_TILE[{key}] {tile} C4_CHANNELS_FASTEST[{key}] True",
+                         pipelined(tile, blocks, stages, True))
+                        for tile, blocks, stages in c.c4_streams_fastest])
+            if r == 128:  # the whole window in registers, against tile-by-tile pooling (online softmax)
+                _sweep(grid, f"streaming, prefill {shape}", nbytes, run,
+                       [("C128_STREAM_STAGES 0 (whole window)", [(ck, "C128_STREAM_STAGES", 0)])]
+                       + [(f"C128_STREAM_STAGES {stages} C128_STREAM_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
+                           [(ck, "C128_STREAM_STAGES", stages), (ck, "C128_STREAM_TILE", tile),
+                            (ck, "C128_ROWS_PER_PROGRAM", rpp)])
+                          for (tile, stages), rpp in [(stream, c.rpps[0]) for stream in c.streams]
+                          + [(c.streams[0], rpp) for rpp in c.rpps[1:]]])
             del s, out
             torch.cuda.empty_cache()
 
