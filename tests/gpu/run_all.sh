@@ -41,6 +41,8 @@ limited() {
   return "$rc"
 }
 pytest_result() { grep -E '[0-9]+ (passed|failed)' "$1" | tail -1; }
+# shard k/n < a --collect-only listing: every n-th test id, from the k-th (SUITE_SHARD, MEMCHECK_SHARD)
+shard() { grep '::' | awk -v k="${1%/*}" -v n="${1#*/}" '(NR - 1) % n == k - 1'; }
 : > "$out/summary.txt"
 summary "$(nvidia-smi -L | head -1) | $("$py" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
 
@@ -64,8 +66,7 @@ for stage in ${STAGES:-gpu suite deploy memcheck}; do
       # together run the whole suite
       targets=(tests --ignore=tests/gpu --ignore=tests/test_deploy.py)
       if [ -n "${SUITE_SHARD:-}" ]; then
-        grep '::' "$out/suite-collected.txt" | awk -v k="${SUITE_SHARD%/*}" -v n="${SUITE_SHARD#*/}" \
-          '(NR - 1) % n == k - 1' > "$out/suite-shard.txt"
+        shard "$SUITE_SHARD" < "$out/suite-collected.txt" > "$out/suite-shard.txt"
         mapfile -t targets < "$out/suite-shard.txt"
         summary "suite shard $SUITE_SHARD: ${#targets[@]} tests"
       fi
@@ -83,8 +84,8 @@ for stage in ${STAGES:-gpu suite deploy memcheck}; do
       mtargets=(tests/test_kernels.py tests/test_decode_step.py tests/test_online.py tests/test_train.py
                 -k "kernels and not compile and not variant")
       if [ -n "${MEMCHECK_SHARD:-}" ]; then
-        "$py" -m pytest -q --collect-only "${mtargets[@]}" -p no:cacheprovider 2>/dev/null | grep '::' \
-          | awk -v k="${MEMCHECK_SHARD%/*}" -v n="${MEMCHECK_SHARD#*/}" '(NR - 1) % n == k - 1' > "$out/memcheck-shard.txt"
+        "$py" -m pytest -q --collect-only "${mtargets[@]}" -p no:cacheprovider 2>/dev/null \
+          | shard "$MEMCHECK_SHARD" > "$out/memcheck-shard.txt"
         mapfile -t mtargets < "$out/memcheck-shard.txt"
         summary "memcheck shard $MEMCHECK_SHARD: ${#mtargets[@]} tests"
       fi
