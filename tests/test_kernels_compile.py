@@ -92,7 +92,8 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
         launches = [((events, channels, warps), stream) for stream in ((0, 1), pipelined)]
         large = ck.C4_LARGE[ck.c4_key(head_dim)]
         if large is not None:  # the large plans' launch too
-            launches.append((large[1], large[2] if large[2][0] else (0, 1)))
+            [(_, tile, stream, _)] = ck.c4_launches(head_dim, large[0])
+            launches.append((tile, stream))
         for (events, channels, warps), (stages, blocks) in launches:
             _compile(ck._pool_c4_kernel, counts,
                      dict(HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=ck._channel_block(head_dim, channels),
