@@ -43,9 +43,9 @@ SWEEP_C4_ONE_BLOCK = {512: (8, 32, 2), 128: (8, 64, 4)}
 #: the same with the channel blocks of one row block together (``C4_CHANNELS_FASTEST``): the H100's
 #: fastest D 512 candidates (2026-12-05; (4, 64, 2) x 4 x 2 is the D 512 default) and the indexer's
 SWEEP_C4_STREAM_CHANNELS_FASTEST = [((8, 32, 2), 4, 2), ((4, 64, 2), 4, 2), ((8, 32, 2), 2, 2), ((8, 64, 4), 2, 2)]
-#: prefill write pass (``WRITE_TILE``): (rows, columns) per program; most programs of a prefill
-#: only find plan padding, so fewer rows per program means more programs that do nothing
-SWEEP_WRITE_TILE = [(8, 1024), (16, 512), (32, 256), (64, 128), (32, 512)]
+#: prefill write pass (``WRITE_TILE``): (rows per block, columns per step); a program owns every
+#: ``WRITE_PROGRAMS``-th block and copies only the blocks with a live row
+SWEEP_WRITE_TILE = [(4, 1024), (8, 1024), (2, 1024), (16, 512), (8, 256)]
 SWEEP_DECODE_BLOCK_D = {128: [32, 64, 16], 4: [128, 64, 256]}
 SWEEP_C4_WARPS = {512: [8, 4, 16], 128: [4, 2, 8]}
 #: ratio-128 decode at batch 1 and at the step's batch: (``DECODE_BLOCK_D[128]``, ``DECODE_WARPS[128]``)

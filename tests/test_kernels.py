@@ -212,6 +212,18 @@ def test_compress_kernels_channels_fastest_grid(case, monkeypatch):
     test_compress_kernels(case)
 
 
+@pytest.mark.parametrize("case", [COMPRESS_CASES[1], COMPRESS_CASES[4]], ids=_case_id)
+@pytest.mark.parametrize("programs", [1, 3])
+def test_compress_kernels_write_pass_strided(case, programs, monkeypatch):
+    """The prefill write pass with fewer programs than row blocks: each program owns every
+    ``WRITE_PROGRAMS``-th block, reads their plan words ``WRITE_CHUNK`` blocks at a time (several
+    chunks per program here) and copies the live ones; the ring comes out bit-identical."""
+    monkeypatch.setattr(compress_kernels, "WRITE_PROGRAMS", programs)
+    monkeypatch.setattr(compress_kernels, "WRITE_CHUNK", 2)
+    monkeypatch.setattr(compress_kernels, "WRITE_TILE", (2, 64))
+    test_compress_kernels(case)
+
+
 @pytest.mark.parametrize("case", COMPRESS_CASES[:3], ids=_case_id)
 def test_compress_kernels_ratio4_d512_settings(case, monkeypatch):
     """The test cases' head_dims (<= 256) take the D 128 entries of the ratio-4 tables; this runs them

@@ -110,8 +110,8 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
     block_r, block_c = ck.WRITE_TILE
     _compile(ck._write_kernel,
              dict(state_ptr=f"*{state}", input_ptr=f"*{inp}", plan_ptr="*i32", num_writes="i32", num_state_rows="i64",
-                  num_inputs="i32"),
-             dict(WIDTH=width, BLOCK_R=block_r, BLOCK_C=min(block_c, width)))
+                  num_inputs="i32", num_programs="i32"),
+             dict(WIDTH=width, BLOCK_R=block_r, BLOCK_C=min(block_c, width), CHUNK=ck.WRITE_CHUNK))
 
 
 @pytest.mark.parametrize("ratio,addressing", [(4, 0), (4, 2), (128, 0), (128, 1), (128, 2)])
