@@ -517,8 +517,11 @@ C4_CHANNELS_FASTEST = {512: True, 128: False}
 #: choice adds no guard under torch.compile. H100 sweep (ninth session), D 128, one block per program
 #: at (8, 64, 4) against 2 stages x 4 blocks at (4, 64, 2) with the channel blocks together: 4K
 #: tokens 6.08 us against 11.13 (the pipelined grid has 128 programs with rows for 132 SMs), 16K
-#: 20.06-20.81 against 20.25-20.90, 64K 86.74 (66%) against 69.36 (83%).
-C4_LARGE = {512: None, 128: (16384, (4, 64, 2), (2, 4), True)}
+#: 20.06-20.81 against 20.25-20.90, 64K 86.74 (66%) against 69.36 (83%). H200 (nineteenth session,
+#: one block against pipelined, 32 requests): 8K tokens 8.28 / 8.17 us, 16K 15.35 / 18.78, 24K
+#: 28.46 / 23.73, 32K 35.94 / 32.98, 48K 53.78 / 42.48: the pipelined launch from 20480 rows, between
+#: the H200's 16K and 24K (the H100 is even at 16K).
+C4_LARGE = {512: None, 128: (20480, (4, 64, 2), (2, 4), True)}
 #: ratio-128 pooling, whole window in registers (``C128_STREAM_STAGES`` 0): (window rows per tile,
 #: channels per program, plan rows read per vector, warps)
 C128_TILE = (32, 32, 32, 4)
