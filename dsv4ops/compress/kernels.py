@@ -434,9 +434,10 @@ if HAVE_TRITON:
         """Copy every live WritePlan row's input row into the ring. The plan's rows are taken in
         blocks of ``BLOCK_R``; program ``g`` of ``num_programs`` owns the blocks ``g, g + G, g + 2G,
         ...``. It reads the plan words of ``CHUNK`` of its blocks in one vector, then, for each block
-        that holds a live row, that block's words again (taken out of the vector instead, ptxas
-        spills at some widths) and its rows. A WritePlan lists its valid rows first, so the valid blocks
-        fall on different programs and most programs find only padding and exit after one load."""
+        that holds a live row, loads that block's words again (a cache hit; picking them out of the
+        vector instead made ptxas spill at some widths) and copies its rows. A WritePlan lists its
+        valid rows first, so the valid blocks fall on different programs, and most programs find
+        only padding and exit after one load."""
         g = tl.program_id(0)
         num_blocks = tl.cdiv(num_writes, BLOCK_R)
         for first in range(0, tl.cdiv(num_blocks, num_programs), CHUNK):
@@ -544,15 +545,16 @@ if interpreting():
     # the interpreter runs programs one after the other: one program along the rows of a test's
     # plan keeps CI fast and takes the several-events-per-program path
     C128_ROWS_PER_PROGRAM = 1024
-#: write pass: (rows per block, columns per step). H100 sweep (ninth session), one block per program:
-#: ratio 128 at 16K tokens (64, 128) 47.27 us against (8, 1024) 48.73.
+#: write pass: (rows per block, columns per step). H200 sweep (nineteenth session), ratio 128 at 16K
+#: tokens: (2, 1024) 42.05 us, (4, 1024) 42.10, (8, 256) 42.09, (8, 1024) 43.02, (16, 512) 43.63.
 WRITE_TILE = (4, 1024)
-#: write pass: at most this many programs, each owning every ``WRITE_PROGRAMS``-th row block, and the
-#: blocks whose plan words a program reads in one vector. With one program per block (until the
-#: nineteenth session) a 16K-token plan launched 2048 programs of 4 warps and 91-102 registers, and
-#: a ratio-128 prefill, which writes no rows when its requests end on a window boundary, still took
-#: 4.5 us in the write pass (ncu, H100): 3.1 waves of programs that only read padding.
+#: write pass: at most this many programs, each owning every ``WRITE_PROGRAMS``-th row block. With
+#: one program per block (until the nineteenth session) a 16K-token plan launched 2048 programs of 4
+#: warps and 91-102 registers, and a ratio-128 prefill, which writes no rows when its requests end on
+#: a window boundary, still took 4.5 us in the write pass (ncu, H100): 3.1 waves of programs that
+#: only read padding. On the H200: x1.00-1.05, e.g. ratio 4 D 512 at 64K tokens 200.4 -> 194.3 us.
 WRITE_PROGRAMS = 1024
+#: write pass: row blocks whose plan words a program reads in one vector
 WRITE_CHUNK = 16
 #: order of the decode grids and the ratio-128 pooling grid (1-D, row blocks x channel blocks;
 #: ratio-4 pooling has ``C4_CHANNELS_FASTEST``): True runs the channel blocks of one row block
