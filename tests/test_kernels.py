@@ -179,14 +179,18 @@ def test_compress_kernels(case):
     _check_compress_kernels(sim, r, D)
 
 
-def _check_compress_kernels(sim: ServingSim, r: int, D: int) -> None:
+def _check_compress_kernels(sim: ServingSim, r: int, D: int, reorder=None) -> None:
     """Replay every step of ``sim`` through the kernels (NaN-poisoned outputs, a random state) and
-    hold them to the reference: state bit-identical, every out row written and within tolerance."""
+    hold them to the reference: state bit-identical, every out row written and within tolerance.
+    ``reorder``, if given, rearranges each prefill's CompressPlan rows first (kernels and reference
+    take the same plan)."""
     for out_dtype in (torch.float32, torch.bfloat16):
         for step in sim.steps:
             state = torch.randn(sim.state.shape).to(sim.state_dtype)
             x = step.kv_score_input
             plan, write_plan = (step.plan.plan_d, None) if step.plan.is_decode else (step.plan.plan_c, step.plan.plan_w)
+            if reorder is not None and write_plan is not None:
+                plan = reorder(plan)
             want_state, want_out = state.clone(), torch.full((plan.shape[0], D), float("nan"), dtype=out_dtype)
             if write_plan is None:
                 compress_decode_reference(want_state, x, sim.ape, plan, want_out, D, r)
@@ -367,23 +371,11 @@ def test_compress_kernels_ratio128_windows_in_one_loop_any_row_order(monkeypatch
     rows first) exactly the valid rows; in another (here reversed: padding first, valid rows last)
     over the padding too, whose rows must then load and store nothing. Both pool as the reference."""
     monkeypatch.setattr(compress_kernels, "C128_WINDOWS_IN_ONE_LOOP", True)
-    D = 64
-    sim = ServingSim(128, D, max_seq_len=300, full_page_size=256, swa_page_size=128)
+    sim = ServingSim(128, 64, max_seq_len=300, full_page_size=256, swa_page_size=128)
     random_trace(sim, random.Random(5), 8)
-    prefills = [step for step in sim.steps if not step.plan.is_decode and step.emitted]
-    assert prefills, "the trace pools windows in a prefill"
-    for step in prefills:
-        for plan in (step.plan.plan_c, step.plan.plan_c.flip(0)):
-            state = torch.randn(sim.state.shape).to(sim.state_dtype)
-            want_state, want_out = state.clone(), torch.empty(plan.shape[0], D)
-            compress_prefill_reference(want_state, step.kv_score_input, sim.ape, plan, step.plan.plan_w, want_out, D, 128)
-            dev = KERNEL_DEVICE
-            got_state = state.to(dev)
-            got_out = torch.full((plan.shape[0], D), float("nan"), device=dev)
-            compress_kernels.compress_forward(got_state, step.kv_score_input.to(dev), sim.ape.to(dev), plan.to(dev),
-                                              step.plan.plan_w.to(dev), got_out, D, 128)
-            assert_same_bits(got_state.cpu(), want_state, "state")
-            _close_rows(got_out.cpu(), want_out)
+    assert any(not step.plan.is_decode and step.emitted for step in sim.steps), "a prefill pools windows"
+    _check_compress_kernels(sim, 128, 64)
+    _check_compress_kernels(sim, 128, 64, reorder=lambda plan: plan.flip(0))
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

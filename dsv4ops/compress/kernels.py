@@ -353,38 +353,55 @@ if HAVE_TRITON:
         return _pool_window_tiles(scores, values, STEPS)
 
     @triton.jit
+    def _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, step, d, ok,
+                          HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr):
+        """Tile ``step`` (rows ``step * BLOCK_W ...``) of a ratio-128 window for channels ``d``: kv and
+        score + ape in fp32, rows ``j < buffer_len`` from the ring, the rest from the input; nothing
+        is loaded where ``ok`` is false (kv and score read as zeros there)."""
+        D: tl.constexpr = HEAD_DIM
+        WIDTH: tl.constexpr = 2 * HEAD_DIM
+        j = step * BLOCK_W + tl.arange(0, BLOCK_W)
+        at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
+        ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
+        from_ring = (j < buffer_len)[:, None] & ok
+        from_input = ~from_ring & ok
+        kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
+                      tl.load(at, mask=from_input, other=0.0).to(tl.float32))
+        score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
+                         tl.load(at + D, mask=from_input, other=0.0).to(tl.float32))
+        score += tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
+        return kv, score
+
+    @triton.jit
+    def _online_softmax_step(m, num, den, score, kv):
+        """Take one ``[rows, channels]`` tile into a per-channel online softmax: the running max ``m``
+        and the sums ``den`` of ``exp(score - m)`` and ``num`` of ``exp(score - m) * kv``, rescaled
+        by ``exp(m_old - m)`` (0 while ``m_old`` is -inf)."""
+        m_new = tl.maximum(m, tl.max(score, axis=0))
+        rescale = tl.exp(m - m_new)
+        e = tl.exp(score - m_new[None, :])
+        den = den * rescale + tl.sum(e, axis=0)
+        num = num * rescale + tl.sum(e * kv, axis=0)
+        return m_new, num, den
+
+    @triton.jit
     def _pool_c128_event_streaming(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
                                    HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
                                    STAGES: tl.constexpr):
         """``_pool_c128_event`` one ``[BLOCK_W, BLOCK_D]`` tile at a time, in a software-pipelined
-        loop (``STAGES`` tiles in flight), with an online softmax: a running max ``m``, and the
-        sums of ``exp(score - m)`` and ``exp(score - m) * kv`` rescaled by ``exp(m_old - m)`` when
-        ``m`` grows. It keeps one tile in registers instead of the whole window.
+        loop (``STAGES`` tiles in flight), with an online softmax (``_online_softmax_step``). It
+        keeps one tile in registers instead of the whole window.
 
         (A version that kept the running max and sums per row slot, element by element, with no
         reduction across threads until the end, ran 5-6% slower at this tile on an H100,
         fifteenth session: ``docs/performance.md``.)"""
-        D: tl.constexpr = HEAD_DIM
-        WIDTH: tl.constexpr = 2 * HEAD_DIM
         m = tl.full([BLOCK_D], float("-inf"), tl.float32)
         num = tl.zeros([BLOCK_D], tl.float32)
         den = tl.zeros([BLOCK_D], tl.float32)
         for step in tl.range(0, 128 // BLOCK_W, num_stages=STAGES):
-            j = step * BLOCK_W + tl.arange(0, BLOCK_W)
-            at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
-            ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
-            from_ring = (j < buffer_len)[:, None]
-            kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
-                          tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
-            score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
-                             tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
-            score += tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(score, axis=0))
-            rescale = tl.exp(m - m_new)  # 0 on the first tile (m = -inf)
-            e = tl.exp(score - m_new[None, :])
-            den = den * rescale + tl.sum(e, axis=0)
-            num = num * rescale + tl.sum(e * kv, axis=0)
-            m = m_new
+            kv, score = _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, step, d, True,
+                                          HEAD_DIM, BLOCK_W)
+            m, num, den = _online_softmax_step(m, num, den, score, kv)
         return num / den
 
     @triton.jit
@@ -416,14 +433,13 @@ if HAVE_TRITON:
         """Pool the valid rows among plan rows ``first_row + j * row_step``, ``j < count``, with every
         tile of every window in one software-pipelined loop: the next window's first tiles are in
         flight while the last ones of the current window are pooled, where a loop per window drains
-        its pipeline at each window's end. The online softmax of ``_pool_c128_event_streaming``,
-        restarted at each window's first tile. Each row's words are loaded again in the loop (cache
+        its pipeline at each window's end. The online softmax (``_online_softmax_step``) starts
+        over at each window's first tile. Each row's words are loaded again in the loop (cache
         hits: the kernel has just read them) and checked as in the kernel; an invalid row's tiles
         load and store nothing (its zeros are already written), so ``count`` may reach past
         padding, at the cost of its iterations: the caller passes one past the last valid row,
         which in the planner's order (valid rows first) is the number of valid rows."""
         D: tl.constexpr = HEAD_DIM
-        WIDTH: tl.constexpr = 2 * HEAD_DIM
         STEPS: tl.constexpr = 128 // BLOCK_W
         m = tl.full([BLOCK_D], float("-inf"), tl.float32)
         num = tl.zeros([BLOCK_D], tl.float32)
@@ -434,26 +450,13 @@ if HAVE_TRITON:
             words = tl.load(plan_ptr + row * 4 + tl.arange(0, 4))[None, :]
             word0, seq_len, ragged, buffer_len, page0, page1 = _compress_plan_fields(words, row >= 0)
             ok = _c128_event_valid(word0, seq_len, ragged, buffer_len, page1, num_state_rows, num_inputs)
-            j = step * BLOCK_W + tl.arange(0, BLOCK_W)
-            at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
-            ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
-            from_ring = (j < buffer_len)[:, None] & ok
-            from_input = (j >= buffer_len)[:, None] & ok
-            kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
-                          tl.load(at, mask=from_input, other=0.0).to(tl.float32))
-            score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
-                             tl.load(at + D, mask=from_input, other=0.0).to(tl.float32))
-            score += tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
-            window_start = step == 0
+            kv, score = _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, step, d, ok,
+                                          HEAD_DIM, BLOCK_W)
+            window_start = step == 0  # a new window: the softmax starts over
             m = tl.where(window_start, float("-inf"), m)
             den = tl.where(window_start, 0.0, den)
             num = tl.where(window_start, 0.0, num)
-            m_new = tl.maximum(m, tl.max(score, axis=0))
-            rescale = tl.exp(m - m_new)  # 0 on a window's first tile (m = -inf)
-            e = tl.exp(score - m_new[None, :])
-            den = den * rescale + tl.sum(e, axis=0)
-            num = num * rescale + tl.sum(e * kv, axis=0)
-            m = m_new
+            m, num, den = _online_softmax_step(m, num, den, score, kv)
             tl.store(out_ptr + row * D + d, cast_rne(num / den, out_ptr.dtype.element_ty),
                      mask=(d < D) & (step == STEPS - 1) & ok)
 
@@ -502,9 +505,10 @@ if HAVE_TRITON:
         blocks of ``BLOCK_R``; program ``g`` of ``num_programs`` owns the blocks ``g, g + G, g + 2G,
         ...``. It reads the plan words of ``CHUNK`` of its blocks in one vector, then, for each block
         that holds a live row, loads that block's words again (a cache hit; picking them out of the
-        vector instead made ptxas spill at some widths) and copies its rows. A WritePlan lists its
-        valid rows first, so the valid blocks fall on different programs, and most programs find
-        only padding and exit after one load."""
+        vector instead made ptxas spill at some widths; both loads stay in the kernel body, where
+        Inductor's mutation analysis sees them as loads, not as a helper's pointer argument) and
+        copies its rows. A WritePlan lists its valid rows first, so the valid blocks fall on
+        different programs, and most programs find only padding and exit after one load."""
         g = tl.program_id(0)
         num_blocks = tl.cdiv(num_writes, BLOCK_R)
         for first in range(0, tl.cdiv(num_blocks, num_programs), CHUNK):
