@@ -25,9 +25,6 @@ SWEEP_C128 = [(32, 32, 32, 4), (32, 32, 64, 4), (32, 32, 128, 4), (32, 64, 32, 8
               (64, 32, 32, 8), (32, 16, 32, 4)]
 #: ratio-128 pooling: plan rows per program (``C128_ROWS_PER_PROGRAM``)
 SWEEP_C128_ROWS_PER_PROGRAM = [128, 64, 256]
-#: ratio-128 streaming pool with all of a program's windows in one pipelined loop
-#: (``C128_WINDOWS_IN_ONE_LOOP``), at the default tile and stages: plan rows per program
-SWEEP_C128_ONE_LOOP_ROWS_PER_PROGRAM = [128, 256, 512]
 #: ratio-128 streaming pool (``C128_STREAM_STAGES`` > 0): (tile, stages); the whole-window path
 #: (stages 0, ``C128_TILE``) is the first candidate, to compare against
 SWEEP_C128_STREAM = [((16, 32, 64, 2), 3), ((16, 64, 32, 4), 2), ((16, 64, 32, 4), 3), ((32, 32, 32, 4), 2),
@@ -151,7 +148,7 @@ def _candidates(grid):
         cases=((16384, 1), (16384, 32), (4096, 1), (65536, 32)),
         c4=SWEEP_C4, c128=SWEEP_C128, rpps=SWEEP_C128_ROWS_PER_PROGRAM, block_ms=SWEEP_STORE_BLOCK_M,
         store_blocks=SWEEP_STORE_BLOCKS, store_tokens=SWEEP_STORE_TOKENS, store_warps=SWEEP_STORE_WARPS,
-        streams=SWEEP_C128_STREAM, c4_streams=SWEEP_C4_STREAM, one_loop_rpps=SWEEP_C128_ONE_LOOP_ROWS_PER_PROGRAM,
+        streams=SWEEP_C128_STREAM, c4_streams=SWEEP_C4_STREAM,
         c4_streams_fastest=SWEEP_C4_STREAM_CHANNELS_FASTEST, block_ds=SWEEP_DECODE_BLOCK_D, warps=SWEEP_C4_WARPS,
         write_tiles=SWEEP_WRITE_TILE, decode_warps=SWEEP_C128_DECODE_WARPS)
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
@@ -162,15 +159,13 @@ def _candidates(grid):
             setattr(c, name, getattr(c, name)[:2])
         c.rpps, c.streams, c.c4_streams, c.c4_streams_fastest = [8], c.streams[:1], c.c4_streams[:1], \
             c.c4_streams_fastest[:1]
-        c.one_loop_rpps = [8]
         c.block_ds, c.warps = ({k: v[:2] for k, v in table.items()} for table in (c.block_ds, c.warps))
     return c
 
 
 def _sweep_prefill(grid, c):
     """The prefill groups: pooling tiles, grid order, write tile, pipelined ratio 4, streaming ratio
-    128 (a loop per window, or one over all of a program's windows), and (32 requests) the store's
-    row blocks."""
+    128, and (32 requests) the store's row blocks."""
     for config in grid.GRID_CONFIGS:
         for tokens, requests in c.cases:
             large = tokens > 16384
@@ -226,12 +221,6 @@ def _sweep_prefill(grid, c):
                             (ck, "C128_ROWS_PER_PROGRAM", rpp)])
                           for (tile, stages), rpp in [(stream, c.rpps[0]) for stream in c.streams]
                           + [(c.streams[0], rpp) for rpp in c.rpps[1:]]])
-                # a pipelined loop per window (the default) against one loop over all of a program's windows
-                _sweep(grid, f"one loop, prefill {shape}", nbytes, run,
-                       [(f"C128_WINDOWS_IN_ONE_LOOP {one_loop} C128_ROWS_PER_PROGRAM {rpp}",
-                         [(ck, "C128_WINDOWS_IN_ONE_LOOP", one_loop), (ck, "C128_ROWS_PER_PROGRAM", rpp)])
-                        for one_loop, rpp in [(False, ck.C128_ROWS_PER_PROGRAM)]
-                        + [(True, rpp) for rpp in c.one_loop_rpps]])
             del s, out
             torch.cuda.empty_cache()
 

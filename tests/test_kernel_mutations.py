@@ -134,17 +134,6 @@ def test_variant_compressor_layer_kernels(captured, r, D, kw, fused):
     _check(captured)
 
 
-def test_variant_ratio128_windows_in_one_loop_kernels(captured, monkeypatch):
-    """The ratio-128 pool with all of a program's windows in one loop (``C128_WINDOWS_IN_ONE_LOOP``,
-    not the default), whose helper takes the plan pointer: still only ``out_ptr`` is written."""
-    from dsv4ops.compress import kernels as ck
-
-    monkeypatch.setattr(ck, "C128_WINDOWS_IN_ONE_LOOP", True)
-    _layer_steps(128, 512, False)
-    assert any(kwargs.get("WINDOWS_IN_ONE_LOOP") for _, _, kwargs in captured), "the one-loop pool was launched"
-    _check(captured)
-
-
 def test_variant_online_kernels(captured):
     from dsv4ops.online import kernels as ok
 

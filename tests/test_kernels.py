@@ -356,21 +356,9 @@ def test_compress_kernels_ratio128_whole_window(case, rows_per_program, monkeypa
     test_compress_kernels(case)
 
 
-@pytest.mark.parametrize("case", [COMPRESS_CASES[3], COMPRESS_CASES[4]], ids=_case_id)
-@pytest.mark.parametrize("rows_per_program", [1024, 8], ids=["one-row-program", "many-row-programs"])
-def test_compress_kernels_ratio128_windows_in_one_loop(case, rows_per_program, monkeypatch):
-    """Ratio-128 prefill pooling with all of a program's windows in one pipelined loop
-    (``C128_WINDOWS_IN_ONE_LOOP``, not the default) pools and writes as the loop per window."""
-    monkeypatch.setattr(compress_kernels, "C128_WINDOWS_IN_ONE_LOOP", True)
-    monkeypatch.setattr(compress_kernels, "C128_ROWS_PER_PROGRAM", rows_per_program)
-    test_compress_kernels(case)
-
-
-def test_compress_kernels_ratio128_windows_in_one_loop_any_row_order(monkeypatch):
-    """The one loop runs over a chunk's rows up to its last valid one: in the planner's order (valid
-    rows first) exactly the valid rows; in another (here reversed: padding first, valid rows last)
-    over the padding too, whose rows must then load and store nothing. Both pool as the reference."""
-    monkeypatch.setattr(compress_kernels, "C128_WINDOWS_IN_ONE_LOOP", True)
+def test_compress_kernels_ratio128_any_row_order():
+    """The ratio-128 pool finds the valid rows wherever they are in the plan: in the planner's order
+    (valid rows first) and reversed (padding first, valid rows last), it pools as the reference."""
     sim = ServingSim(128, 64, max_seq_len=300, full_page_size=256, swa_page_size=128)
     random_trace(sim, random.Random(5), 8)
     assert any(not step.plan.is_decode and step.emitted for step in sim.steps), "a prefill pools windows"
@@ -423,13 +411,6 @@ def test_compress_kernels_malformed_plans(r):
         assert (guard[rows:] == 1234.5).all(), "a write landed past the state buffer"
         assert_same_bits(got_state.cpu(), want_state, "state")
         _close_rows(got_out.cpu(), want_out)
-
-
-def test_compress_kernels_malformed_plans_windows_in_one_loop(monkeypatch):
-    """Garbage ratio-128 plan words through the one-loop pool (``C128_WINDOWS_IN_ONE_LOOP``): the
-    rows it cannot read stay zeros and nothing lands outside the state buffer."""
-    monkeypatch.setattr(compress_kernels, "C128_WINDOWS_IN_ONE_LOOP", True)
-    test_compress_kernels_malformed_plans(128)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -100,14 +100,12 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
                           BLOCKS=blocks, STAGES=stages, CHANNELS_FASTEST=channels_fastest), warps)
     else:
         # the whole-window path, and the streaming one (online softmax, pipelined tile loop) at the
-        # default stage count, with all of a program's windows in one pipelined loop too
-        for stages, (rows, channels, chunk, warps), one_loop in ((0, ck.C128_TILE, False),
-                                                                 (ck.C128_STREAM_STAGES or 2, ck.C128_STREAM_TILE, False),
-                                                                 (ck.C128_STREAM_STAGES or 2, ck.C128_STREAM_TILE, True)):
+        # default stage count
+        for stages, (rows, channels, chunk, warps) in ((0, ck.C128_TILE),
+                                                       (ck.C128_STREAM_STAGES or 2, ck.C128_STREAM_TILE)):
             _compile(ck._pool_c128_kernel, dict(counts, num_programs="i32"),
                      dict(HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=ck._channel_block(head_dim, channels),
-                          CHUNK=chunk, CHANNELS_FASTEST=channels_fastest, STAGES=stages,
-                          WINDOWS_IN_ONE_LOOP=one_loop), warps)
+                          CHUNK=chunk, CHANNELS_FASTEST=channels_fastest, STAGES=stages), warps)
     width = (4 if ratio == 4 else 2) * head_dim
     block_r, block_c = ck.WRITE_TILE
     _compile(ck._write_kernel,

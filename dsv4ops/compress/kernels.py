@@ -29,9 +29,7 @@ Prefill, pass 1 (pooling, every CompressPlan row):
   softmax with a running max, ``C128_STREAM_STAGES`` tiles in flight in a
   software-pipelined loop), or, with ``C128_STREAM_STAGES = 0``, with all 128 x
   ``BLOCK_D`` window values in flight (kv, score and ape tiles for the whole window
-  loaded before a two-pass softmax). ``C128_WINDOWS_IN_ONE_LOOP`` (off by default) pools a
-  chunk's rows up to its last valid one (the valid rows, in the planner's order) in one pipelined
-  loop over their tiles.
+  loaded before a two-pass softmax).
 
 Prefill, pass 2 (``_write_kernel``, a second launch): copy the WritePlan rows into the
 ring, with at most ``WRITE_PROGRAMS`` programs, each owning every ``WRITE_PROGRAMS``-th block of
@@ -353,22 +351,20 @@ if HAVE_TRITON:
         return _pool_window_tiles(scores, values, STEPS)
 
     @triton.jit
-    def _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, step, d, ok,
+    def _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, step, d,
                           HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr):
         """Tile ``step`` (rows ``step * BLOCK_W ...``) of a ratio-128 window for channels ``d``: kv and
-        score + ape in fp32, rows ``j < buffer_len`` from the ring, the rest from the input; nothing
-        is loaded where ``ok`` is false (kv and score read as zeros there)."""
+        score + ape in fp32, rows ``j < buffer_len`` from the ring, the rest from the input."""
         D: tl.constexpr = HEAD_DIM
         WIDTH: tl.constexpr = 2 * HEAD_DIM
         j = step * BLOCK_W + tl.arange(0, BLOCK_W)
         at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
         ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
-        from_ring = (j < buffer_len)[:, None] & ok
-        from_input = ~from_ring & ok
+        from_ring = (j < buffer_len)[:, None]
         kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
-                      tl.load(at, mask=from_input, other=0.0).to(tl.float32))
+                      tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
         score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
-                         tl.load(at + D, mask=from_input, other=0.0).to(tl.float32))
+                         tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
         score += tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
         return kv, score
 
@@ -399,7 +395,7 @@ if HAVE_TRITON:
         num = tl.zeros([BLOCK_D], tl.float32)
         den = tl.zeros([BLOCK_D], tl.float32)
         for step in tl.range(0, 128 // BLOCK_W, num_stages=STAGES):
-            kv, score = _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, step, d, True,
+            kv, score = _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, step, d,
                                           HEAD_DIM, BLOCK_W)
             m, num, den = _online_softmax_step(m, num, den, score, kv)
         return num / den
@@ -427,51 +423,14 @@ if HAVE_TRITON:
             tl.store(out_ptr + row * D + d, cast_rne(pooled, out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _pool_c128_windows_in_one_loop(state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, first_row, row_step,
-                                       count, d, num_state_rows, num_inputs, HEAD_DIM: tl.constexpr,
-                                       BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
-        """Pool the valid rows among plan rows ``first_row + j * row_step``, ``j < count``, with every
-        tile of every window in one software-pipelined loop: the next window's first tiles are in
-        flight while the last ones of the current window are pooled, where a loop per window drains
-        its pipeline at each window's end. The online softmax (``_online_softmax_step``) starts
-        over at each window's first tile. Each row's words are loaded again in the loop (cache
-        hits: the kernel has just read them) and checked as in the kernel; an invalid row's tiles
-        load and store nothing (its zeros are already written), so ``count`` may reach past
-        padding, at the cost of its iterations: the caller passes one past the last valid row,
-        which in the planner's order (valid rows first) is the number of valid rows."""
-        D: tl.constexpr = HEAD_DIM
-        STEPS: tl.constexpr = 128 // BLOCK_W
-        m = tl.full([BLOCK_D], float("-inf"), tl.float32)
-        num = tl.zeros([BLOCK_D], tl.float32)
-        den = tl.zeros([BLOCK_D], tl.float32)
-        for it in tl.range(0, count * STEPS, num_stages=STAGES):
-            step = it % STEPS
-            row = (first_row + (it // STEPS) * row_step).to(tl.int64)  # below the plan's row count: no int32 overflow
-            words = tl.load(plan_ptr + row * 4 + tl.arange(0, 4))[None, :]
-            word0, seq_len, ragged, buffer_len, page0, page1 = _compress_plan_fields(words, row >= 0)
-            ok = _c128_event_valid(word0, seq_len, ragged, buffer_len, page1, num_state_rows, num_inputs)
-            kv, score = _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, step, d, ok,
-                                          HEAD_DIM, BLOCK_W)
-            window_start = step == 0  # a new window: the softmax starts over
-            m = tl.where(window_start, float("-inf"), m)
-            den = tl.where(window_start, 0.0, den)
-            num = tl.where(window_start, 0.0, num)
-            m, num, den = _online_softmax_step(m, num, den, score, kv)
-            tl.store(out_ptr + row * D + d, cast_rne(num / den, out_ptr.dtype.element_ty),
-                     mask=(d < D) & (step == STEPS - 1) & ok)
-
-    @triton.jit
     def _pool_c128_kernel(
         state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs, num_programs,
         HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-        CHANNELS_FASTEST: tl.constexpr, STAGES: tl.constexpr, WINDOWS_IN_ONE_LOOP: tl.constexpr,
+        CHANNELS_FASTEST: tl.constexpr, STAGES: tl.constexpr,
     ):
         """Pool every valid ratio-128 plan row for one channel block. ``STAGES == 0``: the whole
         window's tiles are loaded at once, then a max pass and a sum pass (``_pool_c128_event``);
-        ``STAGES > 0``: tile by tile with an online softmax (``_pool_c128_event_streaming``), or, with
-        ``WINDOWS_IN_ONE_LOOP``, the tiles of a chunk's rows up to its last valid one in one pipelined
-        loop (``_pool_c128_windows_in_one_loop``; in the planner's order, valid rows first, exactly
-        the valid rows)."""
+        ``STAGES > 0``: tile by tile with an online softmax (``_pool_c128_event_streaming``)."""
         D: tl.constexpr = HEAD_DIM
         g, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
         d = block * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -486,14 +445,8 @@ if HAVE_TRITON:
             valid = in_plan & _c128_event_valid(word0, seq_len, ragged, buffer_len, page1, num_state_rows, num_inputs)
             zero = tl.zeros([CHUNK, BLOCK_D], tl.float32)
             tl.store(out_ptr + k[:, None] * D + d[None, :], zero.to(out_dtype), mask=(in_plan & ~valid)[:, None])
-            if WINDOWS_IN_ONE_LOOP:
-                span = tl.max(tl.where(valid, tl.arange(0, CHUNK), -1), axis=0) + 1  # to the last valid row
-                _pool_c128_windows_in_one_loop(state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr,
-                                               g + first * num_programs, num_programs, span, d, num_state_rows,
-                                               num_inputs, HEAD_DIM, BLOCK_W, BLOCK_D, STAGES)
-            else:
-                _pool_c128_rows(state_ptr, input_ptr, ape_ptr, out_ptr, k, valid, ragged, buffer_len, page1, d,
-                                HEAD_DIM, BLOCK_W, BLOCK_D, STAGES)
+            _pool_c128_rows(state_ptr, input_ptr, ape_ptr, out_ptr, k, valid, ragged, buffer_len, page1, d,
+                            HEAD_DIM, BLOCK_W, BLOCK_D, STAGES)
 
     # ------------------------------------------------------------------ prefill, pass 2
     @triton.jit
@@ -610,16 +563,10 @@ C128_STREAM_TILE = (16, 32, 128, 2)
 #: programs along the rows (times the channel blocks), a function of the shape alone; program ``g``
 #: walks the plan rows ``g, g + G, ...``: at most one plan row in 128 (plus one per request) is an
 #: event, valid rows first, so each program pools about one event. H200 sweep (streaming, 2026-12-04):
-#: 16K tokens 45.1 us at 64 rows, 47.2 at 128, 43.3 at 256; 4K tokens 18.1, 15.3 and 22.7 us.
+#: 16K tokens 45.1 us at 64 rows, 47.2 at 128, 43.3 at 256; 4K tokens 18.1, 15.3 and 22.7 us. One
+#: pipelined loop over the tiles of all of a program's windows instead of one loop per window
+#: (1e2460c) was no faster on an H100 at 128-512 rows (twentieth session) and was removed.
 C128_ROWS_PER_PROGRAM = 128
-#: ratio-128 pooling, streaming (``C128_STREAM_STAGES`` > 0): True pools all of a program's windows
-#: in one software-pipelined loop over their tiles (in the planner's order, valid rows first;
-#: another order costs iterations over the padding between), instead of a pipelined loop per
-#: window that fills and drains for each. Written in the
-#: nineteenth session (no GPU left to time it) after the H100 profile of the per-window loop: 62% of
-#: DRAM peak, 8 programs of 2 warps per SM, about one window per program. To sweep with
-#: ``C128_ROWS_PER_PROGRAM`` 256 or 512 (2 or 4 windows per program at 16K tokens).
-C128_WINDOWS_IN_ONE_LOOP = False
 if interpreting():
     # the interpreter runs programs one after the other: one program along the rows of a test's
     # plan keeps CI fast and takes the several-events-per-program path
@@ -715,8 +662,7 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
         launch(_pool_c128_kernel)[(programs * (head_dim // channels),)](
             kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs, programs,
             HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, CHANNELS_FASTEST=CHANNELS_FASTEST,
-            STAGES=C128_STREAM_STAGES, WINDOWS_IN_ONE_LOOP=C128_WINDOWS_IN_ONE_LOOP and C128_STREAM_STAGES > 0,
-            num_warps=warps,
+            STAGES=C128_STREAM_STAGES, num_warps=warps,
         )
     block_r, block_c = WRITE_TILE
     programs = torch.sym_min(cdiv(write_plan.shape[0], block_r), WRITE_PROGRAMS)
