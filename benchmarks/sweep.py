@@ -32,7 +32,14 @@ SWEEP_C128_STREAM = [((16, 32, 64, 2), 3), ((16, 64, 32, 4), 2), ((16, 64, 32, 4
                      ((16, 64, 64, 4), 2), ((16, 64, 128, 4), 2), ((8, 128, 64, 4), 3), ((16, 32, 128, 2), 3),
                      # deeper pipelines: the streaming pool is at 55% of copy bandwidth with 3 tiles in flight
                      # (4 stages of the default tile and 6 of (8, 32, 128, 2) spill on sm_90; these do not)
-                     ((16, 32, 64, 2), 4), ((16, 32, 128, 4), 4), ((8, 32, 128, 2), 4), ((16, 64, 128, 4), 4)]
+                     ((16, 32, 64, 2), 4), ((16, 32, 128, 4), 4), ((8, 32, 128, 2), 4), ((16, 64, 128, 4), 4),
+                     # one warp per program: the default's 2 warps split the tile's rows, so each of a
+                     # tile's three reductions over rows (max, sum of e, sum of e * kv) crosses warps
+                     # through shared memory (32 bar.sync in its sm_90 PTX, 6 with one warp); and the
+                     # wider tiles, with more warps, were the slower ones. None of these spills (fp32
+                     # in and out; registers 126-190, 10-16 programs per SM against the default's 8)
+                     ((16, 32, 128, 1), 3), ((8, 32, 128, 1), 3), ((16, 16, 128, 1), 3), ((8, 16, 128, 1), 4),
+                     ((16, 16, 64, 1), 3)]
 #: ratio-4 pooling with row blocks in a pipelined loop (``C4_STREAM`` stages > 0): ((events,
 #: channels, warps), row blocks per program, stages), rows-fastest grid; the one-block kernel
 #: (stages 0) at ``SWEEP_C4_ONE_BLOCK``'s tile is the first candidate, to compare against
