@@ -54,7 +54,12 @@ SWEEP_C4_STREAM_CHANNELS_FASTEST = [((8, 32, 2), 4, 2), ((4, 64, 2), 4, 2), ((8,
 #: ``WRITE_PROGRAMS``-th block and copies only the blocks with a live row
 SWEEP_WRITE_TILE = [(4, 1024), (8, 1024), (2, 1024), (16, 512), (8, 256)]
 SWEEP_DECODE_BLOCK_D = {128: [32, 64, 16], 4: [128, 64, 256]}
-SWEEP_C4_WARPS = {512: [8, 4, 16], 128: [4, 2, 8]}
+SWEEP_C4_WARPS = {512: [8, 4, 16, 2], 128: [4, 2, 8, 1]}
+#: ratio-4 decode kernel (``compress_forward`` decode): warps per program (``DECODE_WARPS[4]``), at
+#: batch 1, the step's batch and 512. At 4 warps its pool tile (8 window rows x 256 channels for D
+#: 512, x 128 for D 128) has warps along the rows, so the reductions over the window cross warps
+#: (18 bar.sync in its sm_90 PTX); at 2 warps for D 512 and 1 for D 128 they stay in a warp (none)
+SWEEP_C4_DECODE_WARPS = [4, 2, 1, 8]
 #: ratio-128 decode at batch 1 and at the step's batch: (``DECODE_BLOCK_D[128]``, ``DECODE_WARPS[128]``)
 SWEEP_C128_DECODE_WARPS = [(32, 4), (32, 8), (32, 2), (16, 4), (16, 2), (8, 2), (64, 8)]
 SWEEP_STORE_BLOCK_M = [2, 4, 8, 16, 32]
@@ -132,7 +137,7 @@ def sweep_tiles(grid):
     (compress_forward decode; for ratio 128 also the fused step), ratio 128's decode channels x
     warps at batch 1 and 128, whether decode loads the window before the ring write
     (``DECODE_POOL_FIRST``; batch 128, and batch 1 for ratio 128), the warps of the ratio-4 fused
-    step (batch 128), and the order of the pooling and decode grids (``CHANNELS_FASTEST``), and
+    step (batch 128) and of the ratio-4 decode kernel (batch 1, 128 and 512), and the order of the pooling and decode grids (``CHANNELS_FASTEST``), and
     whether ratio 128's fused step plans in a launch of its own (``C128_PLAN_LAUNCH``), ratio 128's
     prefill pooling tile by tile (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a
     pipelined loop (``C4_STREAM``), and the prefill write pass's tile (``WRITE_TILE``). Each group
@@ -144,6 +149,7 @@ def sweep_tiles(grid):
     _sweep_store(grid, candidates)
     _sweep_decode(grid, candidates)
     _sweep_c128_decode_latency(grid, candidates)
+    _sweep_c4_decode_warps(grid, candidates)
 
 
 def _candidates(grid):
@@ -157,12 +163,14 @@ def _candidates(grid):
         store_blocks=SWEEP_STORE_BLOCKS, store_tokens=SWEEP_STORE_TOKENS, store_warps=SWEEP_STORE_WARPS,
         streams=SWEEP_C128_STREAM, c4_streams=SWEEP_C4_STREAM,
         c4_streams_fastest=SWEEP_C4_STREAM_CHANNELS_FASTEST, block_ds=SWEEP_DECODE_BLOCK_D, warps=SWEEP_C4_WARPS,
-        write_tiles=SWEEP_WRITE_TILE, decode_warps=SWEEP_C128_DECODE_WARPS)
+        write_tiles=SWEEP_WRITE_TILE, decode_warps=SWEEP_C128_DECODE_WARPS, c4_decode_warps=SWEEP_C4_DECODE_WARPS,
+        c4_decode_batches=(1, grid.STEP_BATCH, 512))
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         c.cases = ((grid.PREFILL_TOKENS[0], 32),)
         c.store_tokens = (grid.PREFILL_TOKENS[0],)
+        c.c4_decode_batches = (1,)
         c.store_warps = {kind: tiles[:2] for kind, tiles in c.store_warps.items()}
-        for name in ("c4", "c128", "block_ms", "store_blocks", "write_tiles", "decode_warps"):
+        for name in ("c4", "c128", "block_ms", "store_blocks", "write_tiles", "decode_warps", "c4_decode_warps"):
             setattr(c, name, getattr(c, name)[:2])
         c.rpps, c.streams, c.c4_streams, c.c4_streams_fastest = [8], c.streams[:1], c.c4_streams[:1], \
             c.c4_streams_fastest[:1]
@@ -321,3 +329,21 @@ def _sweep_c128_decode_latency(grid, c):
                 if bs == 1:
                     _sweep(grid, f"pool order, {name} {shape}", nbytes, fn, _pool_orders())
             del s, unfused, fused
+
+
+def _sweep_c4_decode_warps(grid, c):
+    """Ratio 4's decode kernel (``compress_forward`` decode, unfused) by warps per program
+    (``DECODE_WARPS[4]``, shared by D 512 and D 128), at batch 1 (its row at a boundary), the step's
+    batch and 512: one program per request and channel block, a chain of dependent loads."""
+    for config in grid.GRID_CONFIGS:
+        if grid.CONFIGS[config][0] != 4:
+            continue
+        for bs in c.c4_decode_batches:
+            group = f"warps, compress_forward decode {config} bs {bs}"
+            if grid.SWEEP_GROUPS is not None and not grid.SWEEP_GROUPS.search(group):
+                continue  # skip the setup too
+            s = grid.decode_setup(config, bs, boundaries=1 if bs == 1 else None)
+            nbytes, unfused, _ = _decode_runs(grid, s, bs)
+            _sweep(grid, f"{group} ({s['boundary']} at a boundary)", nbytes, unfused,
+                   [(f"DECODE_WARPS[4] {w}", [(ck.DECODE_WARPS, 4, w)]) for w in c.c4_decode_warps])
+            del s, unfused

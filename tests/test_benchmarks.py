@@ -54,7 +54,8 @@ def test_tile_sweep_dry_run(tmp_path):
                   "plan launch, fused decode step c128-main", "streaming, prefill c128-main",
                   "warps, compress_forward decode c128-main bs 1", "warps, fused decode step c128-main bs 1",
                   "pool order, compress_forward decode c4-main", "pool order, fused decode step c4-main",
-                  "pool order, fused decode step c128-main bs 1"):
+                  "pool order, fused decode step c128-main bs 1", "warps, compress_forward decode c4-main bs 1",
+                  "warps, compress_forward decode c4-indexer bs 1"):
         assert any(line.startswith(f"best  {group}") for line in best), f"no result for {group}:\n{done.stdout}"
 
 
