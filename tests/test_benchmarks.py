@@ -74,6 +74,27 @@ def test_profile_script_dry_run():
     assert sum(line.startswith("profiled: plan_decode") for line in profiled) == 2
 
 
+def test_static_sm90_report():
+    """``benchmarks.static`` (the sweep candidates' registers, barriers and layouts on sm_90, no GPU)
+    compiles the ratio-4 decode kernel at every warp count of the sweep; the default is listed first
+    and spills nothing, and one warp leaves no barrier in the pool."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.static", "--kernels", "decode"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if "needs Triton's bundled ptxas" in done.stderr:
+        pytest.skip("Triton's bundled ptxas / cuobjdump not found")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 8, done.stdout
+    for head_dim, first in ((512, lines[0]), (128, lines[4])):
+        assert first.startswith(f"ratio-4 decode D {head_dim:3d}") and first.endswith("(default)"), first
+        assert " spills   0 B" in first, first
+    one_warp = next(line for line in lines if line.startswith("ratio-4 decode D 128") and ", 1 warps:" in line)
+    assert "bar.sync  0" in one_warp, one_warp
+
+
 def test_profile_summary_reads_ncu_details_csv():
     """The summary of an ncu ``--csv --page details`` log: the tool's own lines before the header are
     skipped, each kernel's key metrics come first and in order, and the rest follow."""

@@ -1,0 +1,97 @@
+"""What the sweep's candidates compile to on sm_90 (H100/H200), without a GPU: registers, spills,
+``bar.sync`` barriers in the PTX, shared memory, programs per SM that the registers allow, and the
+layout Triton gives the pooling tile (``warpsPerCTA`` [rows, channels]: warps along the rows make
+each reduction over the window cross warps, through shared memory and a barrier).
+
+    python -m benchmarks.static                    # ratio-128 prefill tiles and ratio-4 decode warps
+    python -m benchmarks.static --kernels decode   # one of the two
+
+fp32 state, input, ape and output (the benchmark's tensors), D 512 (and D 128 for ratio-4 decode).
+The candidates are the sweep's (``SWEEP_C128_STREAM``, ``SWEEP_C4_DECODE_WARPS``), after the
+current default. Uses Triton's bundled ptxas and cuobjdump, as ``tests/test_kernels_compile.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dsv4ops.compress import kernels as ck
+
+from . import sweep
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from _sm90 import resource_usage  # noqa: E402
+
+REGISTERS_PER_SM = 65536
+FP32 = dict(state_ptr="*fp32", input_ptr="*fp32", ape_ptr="*fp32", plan_ptr="*i32", out_ptr="*fp32")
+
+
+def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int):
+    """``fn`` compiled for sm_90 with 16-byte aligned pointers, as a launch specializes them."""
+    names = fn.arg_names
+    signature = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if signature[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def describe(compiled, num_warps: int) -> str:
+    usage = resource_usage(compiled)
+    if usage is None:
+        raise SystemExit("needs Triton's bundled ptxas and cuobjdump")
+    allocated = -(-usage["reg"] // 8) * 8 * 32 * num_warps  # registers are allocated 8 per thread at a time
+    layouts = re.findall(r"warpsPerCTA = \[([\d, ]+)\]", compiled.asm["ttgir"])
+    tile = next((f"[{w}]" for w in layouts if "," in w), "-")
+    return (f"registers {usage['reg']:3d}  spills {usage['spill_stores']:3d} B  bar.sync "
+            f"{len(re.findall(r'bar[.]sync', compiled.asm['ptx'])):2d}  shared {compiled.metadata.shared:6d} B  "
+            f"programs/SM {REGISTERS_PER_SM // allocated:2d}  tile warps {tile}")
+
+
+def ratio128_tiles():
+    types = dict(FP32, num_events="i32", num_state_rows="i64", num_inputs="i32", num_programs="i32")
+    default = (ck.C128_STREAM_TILE, ck.C128_STREAM_STAGES)
+    for tile, stages in [default] + [c for c in sweep.SWEEP_C128_STREAM if c != default]:
+        rows, channels, chunk, warps = tile
+        compiled = compile_for_sm90(ck._pool_c128_kernel, types, dict(
+            HEAD_DIM=512, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, CHANNELS_FASTEST=ck.CHANNELS_FASTEST,
+            STAGES=stages), warps)
+        mark = "  (default)" if (tile, stages) == default else ""
+        print(f"ratio-128 pool {str(tile):18s} x {stages} stages: {describe(compiled, warps)}{mark}", flush=True)
+
+
+def ratio4_decode_warps():
+    types = dict(FP32, num_state_rows="i64")
+    default = ck.DECODE_WARPS[4]
+    for head_dim in (512, 128):
+        block_d = ck._channel_block(head_dim, ck.DECODE_BLOCK_D[4])
+        for warps in [default] + [w for w in sweep.SWEEP_C4_DECODE_WARPS if w != default]:
+            compiled = compile_for_sm90(ck._decode_kernel, types, dict(
+                HEAD_DIM=head_dim, RATIO=4, BLOCK_D=block_d, BLOCK_W=8, CHANNELS_FASTEST=ck.CHANNELS_FASTEST,
+                POOL_FIRST=ck.DECODE_POOL_FIRST), warps)
+            mark = "  (default)" if warps == default else ""
+            print(f"ratio-4 decode D {head_dim:3d}, {block_d} channels, {warps} warps: {describe(compiled, warps)}{mark}",
+                  flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", choices=["c128", "decode", "all"], default="all")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("compiles for sm_90: run it without TRITON_INTERPRET=1")
+    if args.kernels in ("c128", "all"):
+        ratio128_tiles()
+    if args.kernels in ("decode", "all"):
+        ratio4_decode_warps()
+
+
+if __name__ == "__main__":
+    main()
