@@ -18,29 +18,15 @@ import os
 import re
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from dsv4ops.compress import kernels as ck
 
 from . import sweep
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from _sm90 import resource_usage  # noqa: E402
+from _sm90 import compile_for_sm90, resource_usage  # noqa: E402
 
 REGISTERS_PER_SM = 65536
 FP32 = dict(state_ptr="*fp32", input_ptr="*fp32", ape_ptr="*fp32", plan_ptr="*i32", out_ptr="*fp32")
-
-
-def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int):
-    """``fn`` compiled for sm_90 with 16-byte aligned pointers, as a launch specializes them."""
-    names = fn.arg_names
-    signature = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if signature[n].startswith("*")}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
 def describe(compiled, num_warps: int) -> str:

@@ -62,6 +62,22 @@ def sm90_driver():
         driver._active = active
 
 
+def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, multiples_of_16: tuple = ()):
+    """``fn`` compiled for sm_90 as a launch specializes it: pointers (and the integer arguments named
+    in ``multiples_of_16``) 16-byte aligned; ``types`` gives every other argument's Triton type."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {name: ("constexpr" if name in constexprs else types[name]) for name in names}
+    aligned = [n for n in names if signature[n].startswith("*") or n in multiples_of_16]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
 def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, max_stack: int = 0,
                  multiples_of_16: tuple = ()):
     """Compile ``fn`` for sm_90 with 16-byte aligned pointers (what a real launch specializes them to),
@@ -69,19 +85,10 @@ def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, max_stac
     resource use (see the module docstring). ``multiples_of_16`` names integer arguments that real
     launches pass as multiples of 16: Triton specializes those at launch too, and address arithmetic
     built on them can then use wide accesses, so leaving them out would misreport the kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("interpreter mode: the variants are compiled in a subprocess without TRITON_INTERPRET")
-    names = fn.arg_names
-    signature = {name: ("constexpr" if name in constexprs else types[name]) for name in names}
-    aligned = [n for n in names if signature[n].startswith("*") or n in multiples_of_16]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                    attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    compiled = compile_for_sm90(fn, types, constexprs, num_warps, multiples_of_16)
+    signature = {name: ("constexpr" if name in constexprs else types[name]) for name in fn.arg_names}
     interleaved = interleaved_lane_reductions(compiled.asm["ttgir"])
     assert not interleaved, f"{compiled.metadata.name} reduces along interleaved lane bits: {interleaved}"
     across = accesses_across_rows(compiled.asm["ttgir"])
