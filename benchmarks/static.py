@@ -1,14 +1,16 @@
 """What the sweep's candidates compile to on sm_90 (H100/H200), without a GPU: registers, spills,
-``bar.sync`` barriers in the PTX, shared memory, programs per SM that the registers allow, and the
-layout Triton gives the pooling tile (``warpsPerCTA`` [rows, channels]: warps along the rows make
-each reduction over the window cross warps, through shared memory and a barrier).
+``bar.sync`` barriers in the PTX, shared memory, and the programs per SM that the registers allow.
+A reduction over a tile's rows whose warps lie along the rows (Triton's ``warpsPerCTA``, in the
+``ttgir``) crosses warps, through shared memory and a barrier: fewer barriers, fewer such waits.
 
-    python -m benchmarks.static                    # ratio-128 prefill tiles and ratio-4 decode warps
-    python -m benchmarks.static --kernels decode   # one of the two
+    python -m benchmarks.static                    # all: ratio-128 prefill tiles, ratio-4 decode warps,
+                                                   # the fused ratio-4 decode step's warps
+    python -m benchmarks.static --kernels decode   # one of them (c128, decode, fused)
 
 fp32 state, input, ape and output (the benchmark's tensors), D 512 (and D 128 for ratio-4 decode).
-The candidates are the sweep's (``SWEEP_C128_STREAM``, ``SWEEP_C4_DECODE_WARPS``), after the
-current default. Uses Triton's bundled ptxas and cuobjdump, as ``tests/test_kernels_compile.py``.
+The candidates are the sweep's (``SWEEP_C128_STREAM``, ``SWEEP_C4_DECODE_WARPS``,
+``SWEEP_C4_WARPS``), after the current default; the fused step with FP8 caches (main and indexer)
+and SWA-paged addressing. Uses Triton's bundled ptxas and cuobjdump, as ``tests/test_kernels_compile.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import os
 import re
 import sys
 
+from dsv4ops._layout import Addressing, CacheFormat, CacheLayout
 from dsv4ops.compress import kernels as ck
+from dsv4ops.decode_step import kernels as dk
 
 from . import sweep
 
@@ -34,11 +38,9 @@ def describe(compiled, num_warps: int) -> str:
     if usage is None:
         raise SystemExit("needs Triton's bundled ptxas and cuobjdump")
     allocated = -(-usage["reg"] // 8) * 8 * 32 * num_warps  # registers are allocated 8 per thread at a time
-    layouts = re.findall(r"warpsPerCTA = \[([\d, ]+)\]", compiled.asm["ttgir"])
-    tile = next((f"[{w}]" for w in layouts if "," in w), "-")
     return (f"registers {usage['reg']:3d}  spills {usage['spill_stores']:3d} B  bar.sync "
             f"{len(re.findall(r'bar[.]sync', compiled.asm['ptx'])):2d}  shared {compiled.metadata.shared:6d} B  "
-            f"programs/SM {REGISTERS_PER_SM // allocated:2d}  tile warps {tile}")
+            f"programs/SM {REGISTERS_PER_SM // allocated:2d}")
 
 
 def ratio128_tiles():
@@ -67,9 +69,26 @@ def ratio4_decode_warps():
                   flush=True)
 
 
+def fused_ratio4_step_warps():
+    types = dict(FP32, rpi_ptr="*i64", seq_ptr="*i64", weight_ptr="*fp32", freqs_ptr="*fp32", out_loc_ptr="*i64",
+                 cache_ptr="*u8", bs="i32", num_state_rows="i64", num_locs="i32", num_freq_rows="i32",
+                 num_pages="i32", eps="fp32", log2_page="i32", page_bytes="i32", r2t_ptr="*i32", r2t_stride="i32",
+                 num_reqs="i32", max_len="i32", f2s_ptr="*i64", num_full="i32", sps="i32", ring="i32")
+    for head_dim, fmt in ((512, CacheFormat(0)), (128, CacheFormat(2))):
+        layout = CacheLayout(fmt, 64)
+        default = dk.C4_WARPS[head_dim]
+        for warps in [default] + [w for w in sweep.SWEEP_C4_WARPS[head_dim] if w != default]:
+            compiled = compile_for_sm90(dk._decode_step_c4_kernel, types, dict(
+                HEAD_DIM=head_dim, ADDRESSING=int(Addressing.SWA_PAGED), HAS_TABLE=True, FLAG=False,
+                SLOT_BYTES=layout.slot_bytes, SCALE_STRIDE=layout.scale_stride, POOL_FIRST=ck.DECODE_POOL_FIRST,
+                HW_CAST=True), warps, multiples_of_16=("page_bytes",))
+            mark = "  (default)" if warps == default else ""
+            print(f"fused ratio-4 step D {head_dim:3d}, {warps:2d} warps: {describe(compiled, warps)}{mark}", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernels", choices=["c128", "decode", "all"], default="all")
+    parser.add_argument("--kernels", choices=["c128", "decode", "fused", "all"], default="all")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compiles for sm_90: run it without TRITON_INTERPRET=1")
@@ -77,6 +96,8 @@ def main(argv=None):
         ratio128_tiles()
     if args.kernels in ("decode", "all"):
         ratio4_decode_warps()
+    if args.kernels in ("fused", "all"):
+        fused_ratio4_step_warps()
 
 
 if __name__ == "__main__":
