@@ -186,11 +186,15 @@ def _sweep_prefill(grid, c):
             large = tokens > 16384
             if large and grid.CONFIGS[config][0] != 4:
                 continue
+            shape = f"{config} {tokens} tok / {requests} req"
+            groups = ("", "grid order, ", "write tile, ", "pipelined, ", "grid order, pipelined, ", "streaming, ")
+            if grid.SWEEP_GROUPS is not None and not any(grid.SWEEP_GROUPS.search(f"{group}prefill {shape}")
+                                                         for group in groups):
+                continue  # before the setup (a 64K-token prefill's state and input are 1.4 GB at ratio 4)
             s = grid.prefill_setup(config, tokens, requests, 0)
             r, D = s["r"], s["D"]
             out = torch.empty(s["plan_c"].shape[0], D, device=grid.DEV)
             nbytes = grid.compress_prefill_bytes(s)
-            shape = f"{config} {tokens} tok / {requests} req"
             run = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)  # noqa: E731
             if not large:
                 if r == 4:

@@ -242,3 +242,21 @@ def test_ab_compress_dry_run(capsys, monkeypatch):
     lines = [line for line in capsys.readouterr().out.splitlines() if "c128-main" in line]
     assert len(lines) == 2, lines
     assert all("same state: True" in line and "out differs by 0.0e+00" in line for line in lines), lines
+
+
+def test_sweep_skips_the_setups_of_unmatched_groups(monkeypatch):
+    """``--groups`` skips a prefill or store shape before its setup when none of its groups match
+    (a 64K-token setup is most of its groups' time on the device)."""
+    import re
+
+    from benchmarks import run as grid
+    from benchmarks import sweep
+
+    def no_setup(*args, **kwargs):
+        raise AssertionError("a prefill setup for a shape none of whose groups match")
+
+    monkeypatch.setattr(grid, "SWEEP_GROUPS", re.compile("^warps, compress_forward decode c4"))
+    monkeypatch.setattr(grid, "prefill_setup", no_setup)
+    candidates = sweep._candidates(grid)
+    sweep._sweep_prefill(grid, candidates)
+    sweep._sweep_store(grid, candidates)
