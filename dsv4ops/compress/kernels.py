@@ -351,76 +351,39 @@ if HAVE_TRITON:
         return _pool_window_tiles(scores, values, STEPS)
 
     @triton.jit
-    def _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, step, d,
-                          HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr):
-        """Tile ``step`` (rows ``step * BLOCK_W ...``) of a ratio-128 window for channels ``d``: kv and
-        score + ape in fp32, rows ``j < buffer_len`` from the ring, the rest from the input."""
-        D: tl.constexpr = HEAD_DIM
-        WIDTH: tl.constexpr = 2 * HEAD_DIM
-        j = step * BLOCK_W + tl.arange(0, BLOCK_W)
-        at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
-        ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
-        from_ring = (j < buffer_len)[:, None]
-        kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
-                      tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
-        score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
-                         tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
-        score += tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
-        return kv, score
-
-    @triton.jit
-    def _online_softmax_step(m, num, den, score, kv):
-        """Take one ``[rows, channels]`` tile into a per-channel online softmax: the running max ``m``
-        and the sums ``den`` of ``exp(score - m)`` and ``num`` of ``exp(score - m) * kv``, rescaled
-        by ``exp(m_old - m)`` (0 while ``m_old`` is -inf)."""
-        m_new = tl.maximum(m, tl.max(score, axis=0))
-        rescale = tl.exp(m - m_new)
-        e = tl.exp(score - m_new[None, :])
-        den = den * rescale + tl.sum(e, axis=0)
-        num = num * rescale + tl.sum(e * kv, axis=0)
-        return m_new, num, den
-
-    @triton.jit
     def _pool_c128_event_streaming(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
                                    HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
                                    STAGES: tl.constexpr):
         """``_pool_c128_event`` one ``[BLOCK_W, BLOCK_D]`` tile at a time, in a software-pipelined
-        loop (``STAGES`` tiles in flight), with an online softmax (``_online_softmax_step``). It
-        keeps one tile in registers instead of the whole window.
+        loop (``STAGES`` tiles in flight), with an online softmax: a running max ``m``, and the
+        sums of ``exp(score - m)`` and ``exp(score - m) * kv`` rescaled by ``exp(m_old - m)`` when
+        ``m`` grows. It keeps one tile in registers instead of the whole window.
 
         (A version that kept the running max and sums per row slot, element by element, with no
         reduction across threads until the end, ran 5-6% slower at this tile on an H100,
         fifteenth session: ``docs/performance.md``.)"""
+        D: tl.constexpr = HEAD_DIM
+        WIDTH: tl.constexpr = 2 * HEAD_DIM
         m = tl.full([BLOCK_D], float("-inf"), tl.float32)
         num = tl.zeros([BLOCK_D], tl.float32)
         den = tl.zeros([BLOCK_D], tl.float32)
         for step in tl.range(0, 128 // BLOCK_W, num_stages=STAGES):
-            kv, score = _c128_window_tile(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, step, d,
-                                          HEAD_DIM, BLOCK_W)
-            m, num, den = _online_softmax_step(m, num, den, score, kv)
+            j = step * BLOCK_W + tl.arange(0, BLOCK_W)
+            at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
+            ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
+            from_ring = (j < buffer_len)[:, None]
+            kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
+                          tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
+            score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
+                             tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
+            score += tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(score, axis=0))
+            rescale = tl.exp(m - m_new)  # 0 on the first tile (m = -inf)
+            e = tl.exp(score - m_new[None, :])
+            den = den * rescale + tl.sum(e, axis=0)
+            num = num * rescale + tl.sum(e * kv, axis=0)
+            m = m_new
         return num / den
-
-    @triton.jit
-    def _pool_c128_rows(state_ptr, input_ptr, ape_ptr, out_ptr, k, valid, ragged, buffer_len, page1, d,
-                        HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
-        """Pool the ``valid`` rows among plan rows ``k`` (a vector of them, with their fields) one after
-        the other: the i-th valid row, by rank, at each step."""
-        D: tl.constexpr = HEAD_DIM
-        rank = tl.cumsum(valid.to(tl.int32), axis=0) - 1
-        for i in range(tl.sum(valid.to(tl.int32), axis=0)):
-            pick = valid & (rank == i)
-            row = tl.sum(tl.where(pick, k, 0), axis=0)
-            event_ragged = tl.sum(tl.where(pick, ragged, 0), axis=0)
-            event_buffer_len = tl.sum(tl.where(pick, buffer_len, 0), axis=0)
-            event_page1 = tl.sum(tl.where(pick, page1, 0), axis=0)
-            if STAGES == 0:
-                pooled = _pool_c128_event(state_ptr, input_ptr, ape_ptr, event_ragged, event_buffer_len,
-                                          event_page1, d, HEAD_DIM, BLOCK_W, BLOCK_D)
-            else:
-                pooled = _pool_c128_event_streaming(state_ptr, input_ptr, ape_ptr, event_ragged,
-                                                    event_buffer_len, event_page1, d, HEAD_DIM, BLOCK_W,
-                                                    BLOCK_D, STAGES)
-            tl.store(out_ptr + row * D + d, cast_rne(pooled, out_ptr.dtype.element_ty))
 
     @triton.jit
     def _pool_c128_kernel(
@@ -445,8 +408,22 @@ if HAVE_TRITON:
             valid = in_plan & _c128_event_valid(word0, seq_len, ragged, buffer_len, page1, num_state_rows, num_inputs)
             zero = tl.zeros([CHUNK, BLOCK_D], tl.float32)
             tl.store(out_ptr + k[:, None] * D + d[None, :], zero.to(out_dtype), mask=(in_plan & ~valid)[:, None])
-            _pool_c128_rows(state_ptr, input_ptr, ape_ptr, out_ptr, k, valid, ragged, buffer_len, page1, d,
-                            HEAD_DIM, BLOCK_W, BLOCK_D, STAGES)
+            # pool the valid rows of this chunk one after the other (the i-th valid row, by rank)
+            rank = tl.cumsum(valid.to(tl.int32), axis=0) - 1
+            for i in range(tl.sum(valid.to(tl.int32), axis=0)):
+                pick = valid & (rank == i)
+                row = tl.sum(tl.where(pick, k, 0), axis=0)
+                event_ragged = tl.sum(tl.where(pick, ragged, 0), axis=0)
+                event_buffer_len = tl.sum(tl.where(pick, buffer_len, 0), axis=0)
+                event_page1 = tl.sum(tl.where(pick, page1, 0), axis=0)
+                if STAGES == 0:
+                    pooled = _pool_c128_event(state_ptr, input_ptr, ape_ptr, event_ragged, event_buffer_len,
+                                              event_page1, d, HEAD_DIM, BLOCK_W, BLOCK_D)
+                else:
+                    pooled = _pool_c128_event_streaming(state_ptr, input_ptr, ape_ptr, event_ragged,
+                                                        event_buffer_len, event_page1, d, HEAD_DIM, BLOCK_W,
+                                                        BLOCK_D, STAGES)
+                tl.store(out_ptr + row * D + d, cast_rne(pooled, out_dtype))
 
     # ------------------------------------------------------------------ prefill, pass 2
     @triton.jit
