@@ -97,11 +97,16 @@ def _using(*settings):
             swap(target, key, old)
 
 
+def _wanted(grid, *names) -> bool:
+    """Whether ``--groups`` (``grid.SWEEP_GROUPS``) matches any of the group ``names``."""
+    return grid.SWEEP_GROUPS is None or any(grid.SWEEP_GROUPS.search(name) for name in names)
+
+
 def _sweep(grid, name, nbytes, fn, candidates):
     """Time ``fn`` under each candidate ``(label, [(target, key, value), ...])`` (see ``_using``);
     print every time and, last, the fastest candidate. Groups whose name ``--groups`` does not match
     are skipped."""
-    if grid.SWEEP_GROUPS is not None and not grid.SWEEP_GROUPS.search(name):
+    if not _wanted(grid, name):
         return
     results = []
     for label, settings in candidates:
@@ -137,7 +142,8 @@ def sweep_tiles(grid):
     (compress_forward decode; for ratio 128 also the fused step), ratio 128's decode channels x
     warps at batch 1 and 128, whether decode loads the window before the ring write
     (``DECODE_POOL_FIRST``; batch 128, and batch 1 for ratio 128), the warps of the ratio-4 fused
-    step (batch 128) and of the ratio-4 decode kernel (batch 1, 128 and 512), and the order of the pooling and decode grids (``CHANNELS_FASTEST``), and
+    step (batch 128) and of the ratio-4 decode kernel (batch 1, 128 and 512), and the order of the
+    pooling and decode grids (``CHANNELS_FASTEST``), and
     whether ratio 128's fused step plans in a launch of its own (``C128_PLAN_LAUNCH``), ratio 128's
     prefill pooling tile by tile (``C128_STREAM_STAGES``) and ratio 4's with row blocks in a
     pipelined loop (``C4_STREAM``), and the prefill write pass's tile (``WRITE_TILE``). Each group
@@ -188,8 +194,7 @@ def _sweep_prefill(grid, c):
                 continue
             shape = f"{config} {tokens} tok / {requests} req"
             groups = ("", "grid order, ", "write tile, ", "pipelined, ", "grid order, pipelined, ", "streaming, ")
-            if grid.SWEEP_GROUPS is not None and not any(grid.SWEEP_GROUPS.search(f"{group}prefill {shape}")
-                                                         for group in groups):
+            if not _wanted(grid, *(f"{group}prefill {shape}" for group in groups)):  # the groups below
                 continue  # before the setup (a 64K-token prefill's state and input are 1.4 GB at ratio 4)
             s = grid.prefill_setup(config, tokens, requests, 0)
             r, D = s["r"], s["D"]
@@ -252,8 +257,7 @@ def _sweep_store(grid, c):
         for tokens in c.store_tokens:
             name = f"store {config} {tokens} tok"
             warps_name = f"store warps {config} {tokens} tok"
-            if grid.SWEEP_GROUPS is not None and not (grid.SWEEP_GROUPS.search(name)
-                                                      or grid.SWEEP_GROUPS.search(warps_name)):
+            if not _wanted(grid, name, warps_name):
                 continue  # before the setup, which is most of a 64K group's time
             s = grid.prefill_setup(config, tokens, 32, 0)
             r, D = s["r"], s["D"]
@@ -344,8 +348,8 @@ def _sweep_c4_decode_warps(grid, c):
             continue
         for bs in c.c4_decode_batches:
             group = f"warps, compress_forward decode {config} bs {bs}"
-            if grid.SWEEP_GROUPS is not None and not grid.SWEEP_GROUPS.search(group):
-                continue  # skip the setup too
+            if not _wanted(grid, group):
+                continue  # before the setup
             s = grid.decode_setup(config, bs, boundaries=1 if bs == 1 else None)
             nbytes, unfused, _ = _decode_runs(grid, s, bs)
             _sweep(grid, f"{group} ({s['boundary']} at a boundary)", nbytes, unfused,

@@ -75,7 +75,7 @@ def test_profile_script_dry_run():
 
 
 def test_static_sm90_report():
-    """``benchmarks.static`` (the sweep candidates' registers, barriers and layouts on sm_90, no GPU)
+    """``benchmarks.static`` (the sweep candidates' registers, spills and barriers on sm_90, no GPU)
     compiles the ratio-4 decode kernel at every warp count of the sweep; the default is listed first
     and spills nothing, and one warp leaves no barrier in the pool."""
     pytest.importorskip("triton")
