@@ -355,9 +355,25 @@ if HAVE_TRITON:
                                    HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
                                    STAGES: tl.constexpr):
         """``_pool_c128_event`` one ``[BLOCK_W, BLOCK_D]`` tile at a time, in a software-pipelined
-        loop (``STAGES`` tiles in flight), with an online softmax: a running max ``m``, and the
-        sums of ``exp(score - m)`` and ``exp(score - m) * kv`` rescaled by ``exp(m_old - m)`` when
-        ``m`` grows. It keeps one tile in registers instead of the whole window.
+        loop (``STAGES`` tiles in flight), with an online softmax (``_stream_c128_window``). A window
+        with no ring rows (every window of a prefill but a request's first) takes a loop that loads
+        from the input alone: half the loads of the general one, no masks."""
+        if buffer_len == 0:
+            pooled = _stream_c128_window(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
+                                         HEAD_DIM, BLOCK_W, BLOCK_D, STAGES, False)
+        else:
+            pooled = _stream_c128_window(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
+                                         HEAD_DIM, BLOCK_W, BLOCK_D, STAGES, True)
+        return pooled
+
+    @triton.jit
+    def _stream_c128_window(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
+                            HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+                            STAGES: tl.constexpr, FROM_RING: tl.constexpr):
+        """The online softmax over a window's tiles: a running max ``m``, and the sums of
+        ``exp(score - m)`` and ``exp(score - m) * kv`` rescaled by ``exp(m_old - m)`` when ``m``
+        grows. It keeps one tile in registers instead of the whole window. ``FROM_RING``: rows
+        ``j < buffer_len`` come from the ring; otherwise every row is an input row.
 
         (A version that kept the running max and sums per row slot, element by element, with no
         reduction across threads until the end, ran 5-6% slower at this tile on an H100,
@@ -370,12 +386,16 @@ if HAVE_TRITON:
         for step in tl.range(0, 128 // BLOCK_W, num_stages=STAGES):
             j = step * BLOCK_W + tl.arange(0, BLOCK_W)
             at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
-            ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
-            from_ring = (j < buffer_len)[:, None]
-            kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
-                          tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
-            score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
-                             tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
+            if FROM_RING:
+                ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
+                from_ring = (j < buffer_len)[:, None]
+                kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
+                              tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
+                score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
+                                 tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
+            else:
+                kv = tl.load(at).to(tl.float32)
+                score = tl.load(at + D).to(tl.float32)
             score += tl.load(ape_ptr + j[:, None] * D + d[None, :]).to(tl.float32)
             m_new = tl.maximum(m, tl.max(score, axis=0))
             rescale = tl.exp(m - m_new)  # 0 on the first tile (m = -inf)
