@@ -1,5 +1,6 @@
 """What the sweep's candidates compile to on sm_90 (H100/H200), without a GPU: registers, spills,
-``bar.sync`` barriers in the PTX, shared memory, and the programs per SM that the registers allow.
+``bar.sync`` barriers in the PTX, shared memory, the programs per SM that registers and shared
+memory allow, and for the ratio-128 pool the warp-instructions its tile loops issue per element.
 A reduction over a tile's rows whose warps lie along the rows (Triton's ``warpsPerCTA``, in the
 ``ttgir``) crosses warps, through shared memory and a barrier: fewer barriers, fewer such waits.
 
@@ -27,9 +28,11 @@ from dsv4ops.decode_step import kernels as dk
 from . import sweep
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from _sm90 import compile_for_sm90, resource_usage  # noqa: E402
+from _sm90 import compile_for_sm90, innermost_loops, resource_usage  # noqa: E402
 
 REGISTERS_PER_SM = 65536
+#: shared memory an SM can give its programs on sm_90, and what the driver reserves per program
+SHARED_PER_SM, SHARED_PER_PROGRAM = 233472, 1024
 FP32 = dict(state_ptr="*fp32", input_ptr="*fp32", ape_ptr="*fp32", plan_ptr="*i32", out_ptr="*fp32")
 
 
@@ -38,9 +41,10 @@ def describe(compiled, num_warps: int) -> str:
     if usage is None:
         raise SystemExit("needs Triton's bundled ptxas and cuobjdump")
     allocated = -(-usage["reg"] // 8) * 8 * 32 * num_warps  # registers are allocated 8 per thread at a time
+    by_shared = SHARED_PER_SM // (compiled.metadata.shared + SHARED_PER_PROGRAM)
     return (f"registers {usage['reg']:3d}  spills {usage['spill_stores']:3d} B  bar.sync "
             f"{len(re.findall(r'bar[.]sync', compiled.asm['ptx'])):2d}  shared {compiled.metadata.shared:6d} B  "
-            f"programs/SM {REGISTERS_PER_SM // allocated:2d}")
+            f"programs/SM {min(REGISTERS_PER_SM // allocated, by_shared):2d}")
 
 
 def ratio128_tiles():
@@ -52,7 +56,11 @@ def ratio128_tiles():
             HEAD_DIM=512, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, CHANNELS_FASTEST=ck.CHANNELS_FASTEST,
             STAGES=stages), warps)
         mark = "  (default)" if (tile, stages) == default else ""
-        print(f"ratio-128 pool {str(tile):18s} x {stages} stages: {describe(compiled, warps)}{mark}", flush=True)
+        # the two tile loops, input only (most windows) and with ring rows, as warp-instructions
+        # per tile element: each warp issues the loop's instructions once per tile
+        per_element = "/".join(f"{n * warps / (rows * channels):.2f}" for n in innermost_loops(compiled)[:2])
+        print(f"ratio-128 pool {str(tile):18s} x {stages} stages: {describe(compiled, warps)}  "
+              f"tile loops {per_element} instr/element{mark}", flush=True)
 
 
 def ratio4_decode_warps():

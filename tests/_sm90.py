@@ -198,6 +198,33 @@ def resource_usage(compiled) -> dict | None:
     return out
 
 
+def innermost_loops(compiled) -> list | None:
+    """The instruction counts of the innermost loops of a compiled kernel's SASS (a backward branch
+    and the instructions from its target to it, with no other backward branch among them; ``NOP``
+    padding left out), in address order; None without Triton's cuobjdump. A software-pipelined tile
+    loop is one such loop: its count is the instructions each warp issues per tile."""
+    if _tool("cuobjdump") is None:
+        return None
+    return innermost_loops_in(_sass(compiled.asm["cubin"]))
+
+
+def innermost_loops_in(sass: str) -> list:
+    """``innermost_loops`` of a SASS listing."""
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    branches = []
+    for address, op in code:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
+        if target and int(target.group(1), 16) < address:
+            branches.append((int(target.group(1), 16), address))
+    loops = []
+    for start, end in branches:
+        if any(start <= other_start and other_end <= end and (other_start, other_end) != (start, end)
+               for other_start, other_end in branches):
+            continue
+        loops.append(sum(1 for a, op in code if start <= a <= end and not op.lstrip().startswith("NOP")))
+    return loops
+
+
 def fused_fp32_multiply_adds(compiled) -> list | None:
     """The SASS ``FFMA`` instructions of a compiled kernel that fuse a real product into a real
     add (neither multiplicand nor the addend the zero register), or None without Triton's

@@ -4,7 +4,7 @@ on a GPU, and from their fixes). No compile: these run anywhere, in milliseconds
 
 from __future__ import annotations
 
-from _sm90 import accesses_across_rows, fused_multiply_adds_in, interleaved_lane_reductions
+from _sm90 import accesses_across_rows, fused_multiply_adds_in, innermost_loops_in, interleaved_lane_reductions
 
 #: the fourteenth session's main FP8 decode store: its norm sum over a [2, 512] reshape got a
 #: linear layout with the row at lane bit 3, reduced along lane bits 0-2 and 4 (wrong on an H100)
@@ -60,3 +60,24 @@ def test_fused_multiply_adds_in():
     # division's range checks (a multiplicand RZ) round as the unfused operations do
     assert fused_multiply_adds_in(sass) == ["FFMA R11, R15.reuse, R18.reuse, R14 ;",
                                             "FFMA R20, R21.reuse, R8, 8388608 ;"]
+
+
+def test_innermost_loops_in():
+    """Two loops nested in an outer one, and a forward branch: the counts are of the two inner loops
+    alone, padding left out (``benchmarks.static``'s instructions per tile element)."""
+    sass = """\
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/                   FADD R3, R3, R4 ;
+        /*0030*/                   ISETP.GE.AND P0, PT, R2, 0x8, PT ;
+        /*0040*/               @!P0 BRA 0x20 ;
+        /*0050*/                   BRA 0x80 ;
+        /*0060*/                   NOP;
+        /*0070*/                   NOP;
+        /*0080*/                   LDS R5, [R6] ;
+        /*0090*/                   FMUL R5, R5, R5 ;
+        /*00a0*/               @P1 BRA 0x80 ;
+        /*00b0*/               @P2 BRA 0x10 ;
+        /*00c0*/                   EXIT ;
+"""
+    assert innermost_loops_in(sass) == [3, 3]
