@@ -80,11 +80,12 @@ def launches(grid, dry_run):
 def _whole_window(ck, fn):
     """``fn()`` with the ratio-128 prefill pool holding the whole window in registers
     (``C128_STREAM_STAGES`` 0, ``C128_TILE``) instead of the default tile-by-tile pool."""
-    old, ck.C128_STREAM_STAGES = ck.C128_STREAM_STAGES, 0
+    old, ck.C128_STREAM_STAGES = (ck.C128_STREAM_STAGES, ck.C128_LARGE), 0
+    ck.C128_LARGE = None
     try:
         fn()
     finally:
-        ck.C128_STREAM_STAGES = old
+        ck.C128_STREAM_STAGES, ck.C128_LARGE = old
 
 
 def profile(dry_run):

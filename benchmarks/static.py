@@ -65,8 +65,8 @@ def ratio128_tiles():
 
 def ratio4_decode_warps():
     types = dict(FP32, num_state_rows="i64")
-    default = ck.DECODE_WARPS[4]
     for head_dim in (512, 128):
+        default = ck.decode_warps(4, head_dim)
         block_d = ck._channel_block(head_dim, ck.DECODE_BLOCK_D[4])
         for warps in [default] + [w for w in sweep.SWEEP_C4_DECODE_WARPS if w != default]:
             compiled = compile_for_sm90(ck._decode_kernel, types, dict(

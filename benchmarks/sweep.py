@@ -130,6 +130,15 @@ def _sweep(grid, name, nbytes, fn, candidates):
         print(f"best  {name}: {label}: {us:8.2f} us", flush=True)
 
 
+def _without_large_c128(fn):
+    """``fn`` with the ratio-128 pool's large-plan tile off (``C128_LARGE`` None), so that the tile a
+    candidate sets is the one that runs at every plan size (the large tile is among the candidates)."""
+    def call():
+        with _using((ck, "C128_LARGE", None)):
+            fn()
+    return call
+
+
 def _grid_orders():
     return [(f"CHANNELS_FASTEST {fastest}", [(ck, "CHANNELS_FASTEST", fastest)]) for fastest in (False, True)]
 
@@ -206,6 +215,8 @@ def _sweep_prefill(grid, c):
             out = torch.empty(s["plan_c"].shape[0], D, device=grid.DEV)
             nbytes = grid.compress_prefill_bytes(s)
             run = lambda: ck.compress_forward(s["state"], s["x"], s["ape"], s["plan_c"], s["plan_w"], out, D, r)  # noqa: E731
+            if r == 128:
+                run = _without_large_c128(run)
             if not large:
                 if r == 4:
                     tiles = [(f"C4_TILE[{D}] {tile}", [(ck.C4_TILE, D, tile)]) for tile in c.c4]
@@ -346,7 +357,7 @@ def _sweep_c128_decode_latency(grid, c):
 
 def _sweep_c4_decode_warps(grid, c):
     """Ratio 4's decode kernel (``compress_forward`` decode, unfused) by warps per program
-    (``DECODE_WARPS[4]``, shared by D 512 and D 128), at batch 1 (its row at a boundary), the step's
+    (``DECODE_WARPS[4]``, per head_dim), at batch 1 (its row at a boundary), the step's
     batch and 512: one program per request and channel block, a chain of dependent loads."""
     for config in grid.GRID_CONFIGS:
         if grid.CONFIGS[config][0] != 4:
@@ -356,7 +367,8 @@ def _sweep_c4_decode_warps(grid, c):
             if not _wanted(grid, group):
                 continue  # before the setup
             s = grid.decode_setup(config, bs, boundaries=1 if bs == 1 else None)
+            key = ck.c4_key(s["D"])
             nbytes, unfused, _ = _decode_runs(grid, s, bs)
             _sweep(grid, f"{group} ({s['boundary']} at a boundary)", nbytes, unfused,
-                   [(f"DECODE_WARPS[4] {w}", [(ck.DECODE_WARPS, 4, w)]) for w in c.c4_decode_warps])
+                   [(f"DECODE_WARPS[4][{key}] {w}", [(ck.DECODE_WARPS[4], key, w)]) for w in c.c4_decode_warps])
             del s, unfused

@@ -356,6 +356,44 @@ def test_compress_kernels_ratio128_whole_window(case, rows_per_program, monkeypa
     test_compress_kernels(case)
 
 
+@pytest.mark.parametrize("min_rows", [0, 400], ids=["every-plan", "split"])
+def test_compress_kernels_ratio128_large_plans(min_rows, monkeypatch):
+    """Ratio-128 prefill with ``C128_LARGE``: plans of at least ``min_rows`` rows pool with its tile
+    (one warp across 128 channels, so at D 128 one channel block and whole columns per thread), the
+    smaller ones with the default tile; every step pools within the reference's tolerance and
+    writes the same state bits. The split runs plans on both sides of the size."""
+    monkeypatch.setattr(compress_kernels, "C128_LARGE", (min_rows, (4, 128, 32, 1), 4))
+    D = 128
+    sim = ServingSim(128, D, max_seq_len=300, full_page_size=256, swa_page_size=128)
+    random_trace(sim, random.Random(2), 8)
+    sizes = {step.plan.plan_c.shape[0] >= min_rows for step in sim.steps if not step.plan.is_decode}
+    assert sizes == ({True} if min_rows == 0 else {False, True}), sizes
+    _check_compress_kernels(sim, 128, D)
+
+
+def test_c128_launches_pick_by_plan_size(monkeypatch):
+    """``c128_launches``: one launch without ``C128_LARGE`` or where its channels do not divide D; else,
+    for a concrete size, only the launch its side of the threshold takes, and for a symbolic one both,
+    shares summing to 1, with no guard."""
+    default = (compress_kernels.C128_STREAM_TILE, compress_kernels.C128_STREAM_STAGES)
+    monkeypatch.setattr(compress_kernels, "C128_LARGE", None)
+    assert compress_kernels.c128_launches(512, 70000) == [(1, *default)]
+    monkeypatch.setattr(compress_kernels, "C128_LARGE", (1000, (4, 128, 32, 1), 4))
+    assert compress_kernels.c128_launches(512, 999) == [(1, *default)]
+    assert compress_kernels.c128_launches(512, 1000) == [(1, (4, 128, 32, 1), 4)]
+    assert compress_kernels.c128_launches(64, 70000) == [(1, *default)]  # channels that do not divide D
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    rows = env.create_unbacked_symint()
+    launches = compress_kernels.c128_launches(512, rows)
+    assert [launch[1:] for launch in launches] == [default, ((4, 128, 32, 1), 4)]
+    assert not env.guards, env.guards
+    for n, want in ((0, [1, 0]), (999, [1, 0]), (1000, [0, 1]), (70000, [0, 1])):
+        got = [int(launch[0].node.expr.subs(rows.node.expr, n)) for launch in launches]
+        assert got == want, (n, got)
+
+
 def test_compress_kernels_ratio128_any_row_order():
     """The ratio-128 pool finds the valid rows wherever they are in the plan: in the planner's order
     (valid rows first) and reversed (padding first, valid rows last), it pools as the reference."""

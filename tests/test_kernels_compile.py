@@ -83,7 +83,7 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
         _compile(ck._decode_kernel, dict(ptrs, num_state_rows="i64"),
                  dict(HEAD_DIM=head_dim, RATIO=ratio, BLOCK_D=ck._channel_block(head_dim, ck.DECODE_BLOCK_D[ratio]),
                       BLOCK_W=8 if ratio == 4 else 32, CHANNELS_FASTEST=channels_fastest, POOL_FIRST=pool_first),
-                 ck.DECODE_WARPS[ratio])
+                 ck.decode_warps(ratio, head_dim))
     counts = dict(ptrs, num_events="i32", num_state_rows="i64", num_inputs="i32")
     if ratio == 4:
         events, channels, warps = ck.c4_tile(head_dim)
@@ -99,10 +99,12 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
                      dict(HEAD_DIM=head_dim, BLOCK_E=events, BLOCK_D=ck._channel_block(head_dim, channels),
                           BLOCKS=blocks, STAGES=stages, CHANNELS_FASTEST=channels_fastest), warps)
     else:
-        # the whole-window path, and the streaming one (online softmax, pipelined tile loop) at the
-        # default stage count
-        for stages, (rows, channels, chunk, warps) in ((0, ck.C128_TILE),
-                                                       (ck.C128_STREAM_STAGES or 2, ck.C128_STREAM_TILE)):
+        # the whole-window path, the streaming one (online softmax, pipelined tile loop) at the
+        # default stage count, and the large plans' tile (C128_LARGE)
+        streaming = (ck.C128_STREAM_STAGES or 2, ck.C128_STREAM_TILE)
+        _, large_tile, large_stages = ck.c128_launches(head_dim, 1 << 30)[0]  # what a large plan takes
+        large = [(large_stages, large_tile)] if (large_stages, large_tile) != streaming else []
+        for stages, (rows, channels, chunk, warps) in [(0, ck.C128_TILE), streaming] + large:
             _compile(ck._pool_c128_kernel, dict(counts, num_programs="i32"),
                      dict(HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=ck._channel_block(head_dim, channels),
                           CHUNK=chunk, CHANNELS_FASTEST=channels_fastest, STAGES=stages), warps)

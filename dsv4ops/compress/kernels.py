@@ -492,13 +492,19 @@ if HAVE_TRITON:
 #: H200 sweep, batch 128 (2026-12-03, fifth session): ratio 4 D 512 took 3.62 us at 256 channels,
 #: 6.35 at 128; ratio 128 10.86 us at 32, 13.66 at 64, 14.33 at 16.
 DECODE_BLOCK_D = {4: 256, 128: 32}
-#: decode: warps per program, per ratio. At batch 1 a ratio-128 boundary row is pooled by
+#: decode: warps per program: for ratio 4 per head_dim (keyed as ``C4_TILE``), for ratio 128 one
+#: count. Ratio 4's window tile is 8 rows x the channels: with more warps than the channels need
+#: (256 channels fill 2 warps, 128 one), the warps lie along the rows and each reduction over the
+#: window crosses warps through shared memory and a barrier. H100 (twenty-first session,
+#: ``benchmarks.ab_compress``, the same state): D 512 at 2 warps against 4, batch 1 / 128 / 512:
+#: 2.20 / 2.56 / 3.94 us against 2.63 / 3.36 / 5.78; D 128 at 1 warp against 4: 2.11 / 2.28 /
+#: 2.50 us against 2.72 / 2.92 / 5.79. At batch 1 a ratio-128 boundary row is pooled by
 #: ``head_dim / DECODE_BLOCK_D[128]`` programs only (16 for D 512), each loading its 128 x 32
 #: window, so the loads in flight per program (the warps) may set its latency. H100 sweep
 #: (twelfth session), (channels, warps) for ratio 128: batch 1 (32, 4) 3.82 us, (8, 2) 3.96,
 #: (16, 4) 4.00, (32, 2) 4.75, (32, 8) 6.57; batch 128 (32, 2) 10.67, (32, 4) 10.89, (16, 2) 10.90,
 #: (32, 8) 24.99. (32, 4) stays: best at batch 1, within 2% at batch 128.
-DECODE_WARPS = {4: 4, 128: 4}
+DECODE_WARPS = {4: {512: 2, 128: 1}, 128: 4}
 #: decode: load the window before writing the new row into the ring (True) or after (False, the
 #: order before the eleventh session, 2026-12-05). A thread's load after its own store to the same
 #: buffer is ordered after it, and the store waits for the input load, so writing first puts one
@@ -556,6 +562,15 @@ C128_TILE = (32, 32, 32, 4)
 #: the whole window (tile-dependent).
 C128_STREAM_STAGES = 3
 C128_STREAM_TILE = (16, 32, 128, 2)
+#: ratio-128 pooling of large plans: (plan rows from which it applies, tile as ``C128_STREAM_TILE``,
+#: stages), or None. One warp across 128 channels holds whole columns of each tile in its threads,
+#: so the reductions over a tile's rows need no shuffle or barrier: its tile loop issues 0.56
+#: warp-instructions per element against the default's 1.09 (``python -m benchmarks.static``), but
+#: it has a quarter of the default's channel blocks, so small plans fill fewer SMs. H100
+#: (twenty-first session, ``benchmarks.ab_compress``, 32 requests, the same state): 16K tokens
+#: 43.01 us against 46.05 (77.7% of copy bandwidth), 64K 152.87 against 166.70 (87.4%), 4K 19.27
+#: against 14.40. Chosen by plan rows without a guard under torch.compile, as ``C4_LARGE``.
+C128_LARGE = (16384, (4, 128, 32, 1), 4)
 #: ratio-128 pooling: plan rows per program. The grid has ``cdiv(plan rows, C128_ROWS_PER_PROGRAM)``
 #: programs along the rows (times the channel blocks), a function of the shape alone; program ``g``
 #: walks the plan rows ``g, g + G, ...``: at most one plan row in 128 (plus one per request) is an
@@ -620,6 +635,27 @@ def c4_launches(head_dim: int, plan_rows) -> list:
     return [launch for launch in launches if not isinstance(launch[0], int) or launch[0]]
 
 
+def c128_launches(head_dim: int, plan_rows) -> list:
+    """The ratio-128 pool's launches for a plan of ``plan_rows`` rows: ``(share, tile, stages)`` each,
+    its grid scaled by ``share`` (1 or 0; symbolic under torch.compile): ``C128_STREAM_TILE`` and
+    ``C128_STREAM_STAGES`` (or ``C128_TILE`` where the stages are 0), or, where ``C128_LARGE`` is set
+    and its channels divide ``head_dim``, that launch for plans below its row count and its own above.
+    (At D 64 its tile would be one warp across 64 channels, which spills on sm_90.)"""
+    default = (C128_STREAM_TILE if C128_STREAM_STAGES else C128_TILE, C128_STREAM_STAGES)
+    if C128_LARGE is None or head_dim % C128_LARGE[1][1]:
+        return [(1, *default)]
+    min_rows, tile, stages = C128_LARGE
+    large = at_least(plan_rows, min_rows)
+    launches = [(1 - large, *default), (large, tile, stages)]
+    # a concrete size (eager, or a static shape) launches only the kernel it picks
+    return [launch for launch in launches if not isinstance(launch[0], int) or launch[0]]
+
+
+def decode_warps(ratio: int, head_dim: int) -> int:
+    """Warps per program of the decode kernel (``DECODE_WARPS``)."""
+    return DECODE_WARPS[4][c4_key(head_dim)] if ratio == 4 else DECODE_WARPS[ratio]
+
+
 def _channel_block(head_dim: int, wanted: int) -> int:
     """Largest power of two <= ``wanted`` that divides ``head_dim`` (kernels need no channel masks)."""
     block = min(wanted, next_pow2(head_dim))
@@ -639,7 +675,7 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
         launch(_decode_kernel)[(plan.shape[0] * (head_dim // block_d),)](
             kv_score_buffer, kv_score_input, ape, words, out, num_rows,
             HEAD_DIM=head_dim, RATIO=r, BLOCK_D=block_d, BLOCK_W=8 if r == 4 else 32,
-            CHANNELS_FASTEST=CHANNELS_FASTEST, POOL_FIRST=DECODE_POOL_FIRST, num_warps=DECODE_WARPS[r],
+            CHANNELS_FASTEST=CHANNELS_FASTEST, POOL_FIRST=DECODE_POOL_FIRST, num_warps=decode_warps(r, head_dim),
         )
         return
     num_inputs = kv_score_input.shape[0]
@@ -653,14 +689,14 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
                 CHANNELS_FASTEST=channels_fastest, num_warps=warps,
             )
     else:
-        rows, channels, chunk, warps = C128_STREAM_TILE if C128_STREAM_STAGES else C128_TILE
-        channels = _channel_block(head_dim, channels)
         programs = cdiv(plan.shape[0], C128_ROWS_PER_PROGRAM)
-        launch(_pool_c128_kernel)[(programs * (head_dim // channels),)](
-            kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs, programs,
-            HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, CHANNELS_FASTEST=CHANNELS_FASTEST,
-            STAGES=C128_STREAM_STAGES, num_warps=warps,
-        )
+        for share, (rows, channels, chunk, warps), stages in c128_launches(head_dim, plan.shape[0]):
+            channels = _channel_block(head_dim, channels)
+            launch(_pool_c128_kernel)[(programs * (head_dim // channels) * share,)](
+                kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs, programs,
+                HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, CHANNELS_FASTEST=CHANNELS_FASTEST,
+                STAGES=stages, num_warps=warps,
+            )
     block_r, block_c = WRITE_TILE
     programs = torch.sym_min(cdiv(write_plan.shape[0], block_r), WRITE_PROGRAMS)
     launch(_write_kernel)[(programs,)](

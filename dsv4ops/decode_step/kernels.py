@@ -121,8 +121,9 @@ if HAVE_TRITON:
 
 #: ratio 4: warps of the one program per request (it holds the whole row: D 512 or D 128 channels).
 #: H200 sweep, batch 128 (2026-12-03, fifth session): D 512 4.76 us at 4 warps, 5.67 at 8, 9.34 at
-#: 16; D 128 4.68 us at 2, 5.13 at 4, 7.68 at 8.
-C4_WARPS = {512: 4, 128: 2}
+#: 16; D 128 4.68 us at 2, 5.13 at 4, 7.68 at 8. H100 sweep (twenty-first session), batch 128: D 512
+#: 4.08 us at 4, 4.48 at 2, 5.60 at 8; D 128 3.95 us at 1 (no barrier left in its PTX), 4.36 at 2.
+C4_WARPS = {512: 4, 128: 1}
 #: ratio 128: plan in a launch of its own (the decode planner's kernel), then pool with the
 #: unfused decode kernel, instead of every (request, channel block) program planning its request.
 #: 3 launches instead of 2, but each request's window lookups run once instead of once per channel
