@@ -324,6 +324,19 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ prefill, ratio 128
     @triton.jit
+    def _c128_tile_with_ring_rows(state_ptr, at, page1, buffer_len, j, d, HEAD_DIM: tl.constexpr):
+        """kv and score (fp32) of ratio-128 window rows ``j``, channels ``d``: rows ``j < buffer_len``
+        from the ring (page ``page1``), the others from the input rows ``at`` points to."""
+        WIDTH: tl.constexpr = 2 * HEAD_DIM
+        ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
+        from_ring = (j < buffer_len)[:, None]
+        kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
+                      tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
+        score = tl.where(from_ring, tl.load(ring + HEAD_DIM, mask=from_ring, other=0.0).to(tl.float32),
+                         tl.load(at + HEAD_DIM, mask=~from_ring, other=0.0).to(tl.float32))
+        return kv, score
+
+    @triton.jit
     def _pool_c128_event(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
                          HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr):
         """Pool one ratio-128 window for channels ``d``: rows ``j < buffer_len`` from the ring, the rest from the input."""
@@ -335,13 +348,8 @@ if HAVE_TRITON:
         for step in tl.static_range(STEPS):
             j = step * BLOCK_W + tl.arange(0, BLOCK_W)
             at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
-            from_ring = (j < buffer_len)[:, None]
             if buffer_len > step * BLOCK_W:  # part of this tile was written by an earlier forward
-                ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
-                kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
-                              tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
-                score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
-                                 tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
+                kv, score = _c128_tile_with_ring_rows(state_ptr, at, page1, buffer_len, j, d, HEAD_DIM)
             else:
                 kv = tl.load(at).to(tl.float32)
                 score = tl.load(at + D).to(tl.float32)
@@ -387,12 +395,7 @@ if HAVE_TRITON:
             j = step * BLOCK_W + tl.arange(0, BLOCK_W)
             at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
             if FROM_RING:
-                ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
-                from_ring = (j < buffer_len)[:, None]
-                kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
-                              tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
-                score = tl.where(from_ring, tl.load(ring + D, mask=from_ring, other=0.0).to(tl.float32),
-                                 tl.load(at + D, mask=~from_ring, other=0.0).to(tl.float32))
+                kv, score = _c128_tile_with_ring_rows(state_ptr, at, page1, buffer_len, j, d, HEAD_DIM)
             else:
                 kv = tl.load(at).to(tl.float32)
                 score = tl.load(at + D).to(tl.float32)
