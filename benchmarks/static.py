@@ -55,7 +55,8 @@ def ratio128_tiles():
         compiled = compile_for_sm90(ck._pool_c128_kernel, types, dict(
             HEAD_DIM=512, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, CHANNELS_FASTEST=ck.CHANNELS_FASTEST,
             STAGES=stages), warps)
-        mark = "  (default)" if (tile, stages) == default else ""
+        large = ck.C128_LARGE and (tile, stages) == (ck.C128_LARGE[1], ck.C128_LARGE[2])
+        mark = "  (default)" if (tile, stages) == default else f"  (from {ck.C128_LARGE[0]} plan rows)" if large else ""
         # the two tile loops, input only (most windows) and with ring rows, as warp-instructions
         # per tile element: each warp issues the loop's instructions once per tile
         per_element = "/".join(f"{n * warps / (rows * channels):.2f}" for n in innermost_loops(compiled)[:2])
