@@ -80,8 +80,8 @@ def launches(grid, dry_run):
 def _whole_window(ck, fn):
     """``fn()`` with the ratio-128 prefill pool holding the whole window in registers
     (``C128_STREAM_STAGES`` 0, ``C128_TILE``) instead of the default tile-by-tile pool."""
-    old, ck.C128_STREAM_STAGES = (ck.C128_STREAM_STAGES, ck.C128_LARGE), 0
-    ck.C128_LARGE = None
+    old = ck.C128_STREAM_STAGES, ck.C128_LARGE
+    ck.C128_STREAM_STAGES, ck.C128_LARGE = 0, None  # the large plans' tile off too
     try:
         fn()
     finally:

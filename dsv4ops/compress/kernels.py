@@ -622,6 +622,17 @@ def c4_stream(head_dim: int) -> tuple:
     return (stages, blocks) if stages else (0, 1)
 
 
+def _split_by_plan_rows(plan_rows, min_rows: int, small: tuple, large: tuple) -> list:
+    """Launch settings ``small`` for plans under ``min_rows`` rows and ``large`` from there, as
+    ``[(share, *settings), ...]``: each launch's grid is scaled by its share, ``at_least(plan_rows,
+    min_rows)`` or its complement, so under torch.compile both launches are made with no guard and
+    the one with an empty grid does nothing; a concrete size (eager, or a static shape) keeps only
+    the launch it picks."""
+    share = at_least(plan_rows, min_rows)
+    launches = [(1 - share, *small), (share, *large)]
+    return [launch for launch in launches if not isinstance(launch[0], int) or launch[0]]
+
+
 def c4_launches(head_dim: int, plan_rows) -> list:
     """The ratio-4 pool's launches for a plan of ``plan_rows`` rows: ``(share, tile, (stages, blocks),
     channels fastest)`` each, its grid scaled by ``share`` (1 or 0; symbolic under torch.compile). One
@@ -632,10 +643,8 @@ def c4_launches(head_dim: int, plan_rows) -> list:
     if C4_LARGE[key] is None:
         return [(1, *default)]
     min_rows, tile, (stages, blocks), channels_fastest = C4_LARGE[key]
-    large = at_least(plan_rows, min_rows)
-    launches = [(1 - large, *default), (large, tile, (stages, blocks) if stages else (0, 1), channels_fastest)]
-    # a concrete size (eager, or a static shape) launches only the kernel it picks
-    return [launch for launch in launches if not isinstance(launch[0], int) or launch[0]]
+    return _split_by_plan_rows(plan_rows, min_rows, default,
+                               (tile, (stages, blocks) if stages else (0, 1), channels_fastest))
 
 
 def c128_launches(head_dim: int, plan_rows) -> list:
@@ -648,10 +657,7 @@ def c128_launches(head_dim: int, plan_rows) -> list:
     if C128_LARGE is None or head_dim % C128_LARGE[1][1]:
         return [(1, *default)]
     min_rows, tile, stages = C128_LARGE
-    large = at_least(plan_rows, min_rows)
-    launches = [(1 - large, *default), (large, tile, stages)]
-    # a concrete size (eager, or a static shape) launches only the kernel it picks
-    return [launch for launch in launches if not isinstance(launch[0], int) or launch[0]]
+    return _split_by_plan_rows(plan_rows, min_rows, default, (tile, stages))
 
 
 def decode_warps(ratio: int, head_dim: int) -> int:
