@@ -51,16 +51,17 @@ def ratio128_tiles():
     types = dict(FP32, num_events="i32", num_state_rows="i64", num_inputs="i32", num_programs="i32")
     default = (ck.C128_STREAM_TILE, ck.C128_STREAM_STAGES)
     for tile, stages in [default] + [c for c in sweep.SWEEP_C128_STREAM if c != default]:
-        rows, channels, chunk, warps = tile
+        rows, channels, chunk, warps, groups = ck.c128_tile(tile)
         compiled = compile_for_sm90(ck._pool_c128_kernel, types, dict(
             HEAD_DIM=512, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, CHANNELS_FASTEST=ck.CHANNELS_FASTEST,
-            STAGES=stages), warps)
+            STAGES=stages, ROW_GROUPS=groups), warps)
         large = ck.C128_LARGE and (tile, stages) == (ck.C128_LARGE[1], ck.C128_LARGE[2])
         mark = "  (default)" if (tile, stages) == default else f"  (from {ck.C128_LARGE[0]} plan rows)" if large else ""
         # the two tile loops, input only (most windows) and with ring rows, as warp-instructions
         # per tile element: each warp issues the loop's instructions once per tile
-        per_element = "/".join(f"{n * warps / (rows * channels):.2f}" for n in innermost_loops(compiled)[:2])
-        print(f"ratio-128 pool {str(tile):18s} x {stages} stages: {describe(compiled, warps)}  "
+        per_element = "/".join(f"{n * warps / (rows * channels * groups):.2f}"
+                               for n in innermost_loops(compiled)[:2])
+        print(f"ratio-128 pool {str(tile):21s} x {stages} stages: {describe(compiled, warps)}  "
               f"tile loops {per_element} instr/element{mark}", flush=True)
 
 

@@ -322,14 +322,22 @@ def test_compress_kernels_ratio128_streaming(case, monkeypatch):
     test_compress_kernels(case)
 
 
-@pytest.mark.parametrize("stages", [0, 2], ids=["whole-window", "streaming"])
-def test_compress_kernels_ratio128_score_orders(stages, monkeypatch):
+#: ratio-128 tiles in row groups (``c128_tile``'s fifth field) at D 64: 2 groups of 64 rows, 4 of
+#: 32 (one warp each), and 128 groups of one row (the combine alone does the softmax)
+ROW_GROUP_TILES = [(16, 32, 8, 2, 2), (8, 64, 8, 4, 4), (1, 64, 8, 1, 128)]
+
+
+@pytest.mark.parametrize("stages,tile", [(0, (16, 32, 8, 4)), (2, (16, 32, 8, 4)), (2, (16, 32, 8, 2, 2)),
+                                         (2, (1, 64, 8, 1, 128))],
+                         ids=["whole-window", "streaming", "streaming-2-row-groups", "streaming-128-row-groups"])
+def test_compress_kernels_ratio128_score_orders(stages, tile, monkeypatch):
     """Ratio-128 pooling where the order of the scores matters to an online softmax: per channel,
     scores rising through the window (the running max grows at every row), falling, all equal, and
     spread over +-60 (most terms underflow next to the max), in a prefill split at unaligned points
-    (windows partly in the ring) and the decode steps after it."""
+    (windows partly in the ring) and the decode steps after it; in row groups, each group's maximum
+    differs from the window's, so the final combine rescales every group but one."""
     monkeypatch.setattr(compress_kernels, "C128_STREAM_STAGES", stages)
-    monkeypatch.setattr(compress_kernels, "C128_STREAM_TILE", (16, 32, 8, 4))
+    monkeypatch.setattr(compress_kernels, "C128_STREAM_TILE", tile)
     D = 64
     sim = ServingSim(128, D, max_seq_len=300, full_page_size=256, swa_page_size=128)
     pos = torch.arange(sim.tokens.shape[1], dtype=torch.float32)
@@ -343,6 +351,28 @@ def test_compress_kernels_ratio128_score_orders(stages, monkeypatch):
         sim.step([(0, 1), (1, 1)], decode=True)
     assert any(step.emitted for step in sim.steps[2:]), "a decode step pools a window"
     _check_compress_kernels(sim, 128, D)
+
+
+@pytest.mark.parametrize("case,tile", list(zip([COMPRESS_CASES[3], COMPRESS_CASES[4], COMPRESS_CASES[3]],
+                                                ROW_GROUP_TILES)),
+                         ids=["2-row-groups-fp32-state", "4-row-groups-bf16-state", "128-row-groups-fp32-state"])
+def test_compress_kernels_ratio128_row_groups(case, tile, monkeypatch):
+    """The tile-by-tile ratio-128 pool in row groups (``_stream_c128_row_groups``): each group of the
+    window's rows keeps its own running max and sums, combined at the end; it pools within the
+    reference's tolerance (ring rows, from unaligned chunk splits, in the first group or across
+    several) and writes the same state bits."""
+    monkeypatch.setattr(compress_kernels, "C128_STREAM_STAGES", 2)
+    monkeypatch.setattr(compress_kernels, "C128_STREAM_TILE", tile)
+    test_compress_kernels(case)
+
+
+def test_c128_tile_fields():
+    """``c128_tile``: four fields take one row group; five give it; rows x groups must divide 128."""
+    assert compress_kernels.c128_tile((16, 32, 128, 2)) == (16, 32, 128, 2, 1)
+    assert compress_kernels.c128_tile((4, 128, 32, 2, 2)) == (4, 128, 32, 2, 2)
+    for bad in ((4, 128, 32, 2, 64), (16, 32, 128, 2, 3)):
+        with pytest.raises(ValueError, match="row groups"):
+            compress_kernels.c128_tile(bad)
 
 
 @pytest.mark.parametrize("case", [COMPRESS_CASES[3], COMPRESS_CASES[4]], ids=_case_id)

@@ -33,6 +33,10 @@ def _kernels():
 
 
 STORE_VARIANTS = [(0, 512), (1, 512), (2, 128), (3, 128)]
+#: the ratio-128 tile-by-tile pool in row groups (``ROW_GROUPS`` > 1, not a default): (stages, tile),
+#: two groups of 64 window rows, one warp across 128 channels each (with 4-row tiles, the bf16 build
+#: spills 4-16 bytes)
+ROW_GROUPS_TILE = (4, (2, 128, 32, 2, 2))
 #: page_bytes = page_size x bytes per token (584, 1024, 132 or 68): a multiple of 16 for every format
 #: once page_size >= 4 (DeepSeek-V4 uses 64 for ratio 4, and 2 for ratio 128, where 2 x 584 = 1168 is
 #: one too), so real launches specialize it; the codes are then stored 16 bytes at a time
@@ -100,14 +104,18 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
                           BLOCKS=blocks, STAGES=stages, CHANNELS_FASTEST=channels_fastest), warps)
     else:
         # the whole-window path, the streaming one (online softmax, pipelined tile loop) at the
-        # default stage count, and the large plans' tile (C128_LARGE)
+        # default stage count, the large plans' tile (C128_LARGE), and, where 128 channels divide D,
+        # the streaming pool in row groups, one warp each (the sweep's ROW_GROUPS_TILE)
         streaming = (ck.C128_STREAM_STAGES or 2, ck.C128_STREAM_TILE)
         _, large_tile, large_stages = ck.c128_launches(head_dim, 1 << 30)[0]  # what a large plan takes
         large = [(large_stages, large_tile)] if (large_stages, large_tile) != streaming else []
-        for stages, (rows, channels, chunk, warps) in [(0, ck.C128_TILE), streaming] + large:
+        groups = [ROW_GROUPS_TILE] if head_dim % 128 == 0 else []
+        for stages, tile in [(0, ck.C128_TILE), streaming] + large + groups:
+            rows, channels, chunk, warps, row_groups = ck.c128_tile(tile)
             _compile(ck._pool_c128_kernel, dict(counts, num_programs="i32"),
                      dict(HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=ck._channel_block(head_dim, channels),
-                          CHUNK=chunk, CHANNELS_FASTEST=channels_fastest, STAGES=stages), warps)
+                          CHUNK=chunk, CHANNELS_FASTEST=channels_fastest, STAGES=stages,
+                          ROW_GROUPS=row_groups if stages else 1), warps)
     width = (4 if ratio == 4 else 2) * head_dim
     block_r, block_c = ck.WRITE_TILE
     _compile(ck._write_kernel,

@@ -324,12 +324,13 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------ prefill, ratio 128
     @triton.jit
-    def _c128_tile_with_ring_rows(state_ptr, at, page1, buffer_len, j, d, HEAD_DIM: tl.constexpr):
-        """kv and score (fp32) of ratio-128 window rows ``j``, channels ``d``: rows ``j < buffer_len``
-        from the ring (page ``page1``), the others from the input rows ``at`` points to."""
+    def _c128_tile_with_ring_rows(state_ptr, at, page1, buffer_len, rows, cols, HEAD_DIM: tl.constexpr):
+        """kv and score (fp32) of a tile of ratio-128 window rows ``rows`` and channels ``cols``
+        (index tensors that broadcast to the tile's shape, as ``at`` has it): rows below
+        ``buffer_len`` from the ring (page ``page1``), the others from the input rows ``at`` points to."""
         WIDTH: tl.constexpr = 2 * HEAD_DIM
-        ring = state_ptr + (page1 * 128 + j)[:, None] * WIDTH + d[None, :]
-        from_ring = (j < buffer_len)[:, None]
+        ring = state_ptr + (page1 * 128 + rows) * WIDTH + cols
+        from_ring = rows < buffer_len
         kv = tl.where(from_ring, tl.load(ring, mask=from_ring, other=0.0).to(tl.float32),
                       tl.load(at, mask=~from_ring, other=0.0).to(tl.float32))
         score = tl.where(from_ring, tl.load(ring + HEAD_DIM, mask=from_ring, other=0.0).to(tl.float32),
@@ -349,7 +350,8 @@ if HAVE_TRITON:
             j = step * BLOCK_W + tl.arange(0, BLOCK_W)
             at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
             if buffer_len > step * BLOCK_W:  # part of this tile was written by an earlier forward
-                kv, score = _c128_tile_with_ring_rows(state_ptr, at, page1, buffer_len, j, d, HEAD_DIM)
+                kv, score = _c128_tile_with_ring_rows(state_ptr, at, page1, buffer_len, j[:, None], d[None, :],
+                                                      HEAD_DIM)
             else:
                 kv = tl.load(at).to(tl.float32)
                 score = tl.load(at + D).to(tl.float32)
@@ -361,17 +363,26 @@ if HAVE_TRITON:
     @triton.jit
     def _pool_c128_event_streaming(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
                                    HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
-                                   STAGES: tl.constexpr):
+                                   STAGES: tl.constexpr, ROW_GROUPS: tl.constexpr):
         """``_pool_c128_event`` one ``[BLOCK_W, BLOCK_D]`` tile at a time, in a software-pipelined
-        loop (``STAGES`` tiles in flight), with an online softmax (``_stream_c128_window``). A window
-        with no ring rows (every window of a prefill but a request's first) takes a loop that loads
-        from the input alone: half the loads of the general one, no masks."""
-        if buffer_len == 0:
-            pooled = _stream_c128_window(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
-                                         HEAD_DIM, BLOCK_W, BLOCK_D, STAGES, False)
+        loop (``STAGES`` tiles in flight), with an online softmax (``_stream_c128_window``), or, with
+        ``ROW_GROUPS`` > 1, one such softmax per group of the window's rows (``_stream_c128_row_groups``).
+        A window with no ring rows (every window of a prefill but a request's first) takes a loop that
+        loads from the input alone: half the loads of the general one, no masks."""
+        if ROW_GROUPS == 1:
+            if buffer_len == 0:
+                pooled = _stream_c128_window(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
+                                             HEAD_DIM, BLOCK_W, BLOCK_D, STAGES, False)
+            else:
+                pooled = _stream_c128_window(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
+                                             HEAD_DIM, BLOCK_W, BLOCK_D, STAGES, True)
         else:
-            pooled = _stream_c128_window(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
-                                         HEAD_DIM, BLOCK_W, BLOCK_D, STAGES, True)
+            if buffer_len == 0:
+                pooled = _stream_c128_row_groups(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
+                                                 HEAD_DIM, BLOCK_W, BLOCK_D, STAGES, False, ROW_GROUPS)
+            else:
+                pooled = _stream_c128_row_groups(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
+                                                 HEAD_DIM, BLOCK_W, BLOCK_D, STAGES, True, ROW_GROUPS)
         return pooled
 
     @triton.jit
@@ -395,7 +406,8 @@ if HAVE_TRITON:
             j = step * BLOCK_W + tl.arange(0, BLOCK_W)
             at = input_ptr + (ragged - 127 + j)[:, None] * WIDTH + d[None, :]
             if FROM_RING:
-                kv, score = _c128_tile_with_ring_rows(state_ptr, at, page1, buffer_len, j, d, HEAD_DIM)
+                kv, score = _c128_tile_with_ring_rows(state_ptr, at, page1, buffer_len, j[:, None], d[None, :],
+                                                      HEAD_DIM)
             else:
                 kv = tl.load(at).to(tl.float32)
                 score = tl.load(at + D).to(tl.float32)
@@ -409,14 +421,56 @@ if HAVE_TRITON:
         return num / den
 
     @triton.jit
+    def _stream_c128_row_groups(state_ptr, input_ptr, ape_ptr, ragged, buffer_len, page1, d,
+                                HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+                                STAGES: tl.constexpr, FROM_RING: tl.constexpr, ROW_GROUPS: tl.constexpr):
+        """``_stream_c128_window`` over ``ROW_GROUPS`` groups of the window's rows at once, each group
+        ``128 / ROW_GROUPS`` consecutive rows with its own running max and sums, combined once at the end.
+
+        Tiles are ``[BLOCK_W, ROW_GROUPS, BLOCK_D]``: element ``(r, h, c)`` of step ``s`` is window row
+        ``h * 128 / ROW_GROUPS + s * BLOCK_W + r``, channel ``d[c]``. Triton lays a program's warps along
+        the middle (groups) axis, so with ``ROW_GROUPS`` equal to the warps each warp pools its own rows:
+        the reductions over a tile's rows never cross warps (with a warp across 128 channels, not even
+        threads), and only the final combine does. A window's channels then take ``ROW_GROUPS`` warps
+        instead of one, for plans with too few windows to fill the GPU with one warp each."""
+        D: tl.constexpr = HEAD_DIM
+        WIDTH: tl.constexpr = 2 * HEAD_DIM
+        GROUP_ROWS: tl.constexpr = 128 // ROW_GROUPS
+        m = tl.full([ROW_GROUPS, BLOCK_D], float("-inf"), tl.float32)
+        num = tl.zeros([ROW_GROUPS, BLOCK_D], tl.float32)
+        den = tl.zeros([ROW_GROUPS, BLOCK_D], tl.float32)
+        group_first = (tl.arange(0, ROW_GROUPS) * GROUP_ROWS)[:, None]
+        cols = d[None, None, :]
+        for step in tl.range(0, GROUP_ROWS // BLOCK_W, num_stages=STAGES):
+            j = (group_first + step * BLOCK_W + tl.arange(0, BLOCK_W)[None, :])[:, :, None]  # [ROW_GROUPS, BLOCK_W, 1]
+            at = input_ptr + (ragged - 127 + j) * WIDTH + cols
+            if FROM_RING:
+                kv, score = _c128_tile_with_ring_rows(state_ptr, at, page1, buffer_len, j, cols, HEAD_DIM)
+            else:
+                kv = tl.load(at).to(tl.float32)
+                score = tl.load(at + D).to(tl.float32)
+            score += tl.load(ape_ptr + j * D + cols).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(score, axis=1))
+            rescale = tl.exp(m - m_new)  # 0 on the first tile (m = -inf)
+            e = tl.exp(score - m_new[:, None, :])
+            den = den * rescale + tl.sum(e, axis=1)
+            num = num * rescale + tl.sum(e * kv, axis=1)
+            m = m_new
+        # combine the groups: each group's sums rescaled to the window's max
+        m_window = tl.max(m, axis=0)
+        to_window = tl.exp(m - m_window[None, :])
+        return tl.sum(num * to_window, axis=0) / tl.sum(den * to_window, axis=0)
+
+    @triton.jit
     def _pool_c128_kernel(
         state_ptr, input_ptr, ape_ptr, plan_ptr, out_ptr, num_events, num_state_rows, num_inputs, num_programs,
         HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-        CHANNELS_FASTEST: tl.constexpr, STAGES: tl.constexpr,
+        CHANNELS_FASTEST: tl.constexpr, STAGES: tl.constexpr, ROW_GROUPS: tl.constexpr,
     ):
         """Pool every valid ratio-128 plan row for one channel block. ``STAGES == 0``: the whole
         window's tiles are loaded at once, then a max pass and a sum pass (``_pool_c128_event``);
-        ``STAGES > 0``: tile by tile with an online softmax (``_pool_c128_event_streaming``)."""
+        ``STAGES > 0``: tile by tile with an online softmax (``_pool_c128_event_streaming``), in
+        ``ROW_GROUPS`` groups of the window's rows."""
         D: tl.constexpr = HEAD_DIM
         g, block = _grid_position(HEAD_DIM // BLOCK_D, CHANNELS_FASTEST)
         d = block * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -445,7 +499,7 @@ if HAVE_TRITON:
                 else:
                     pooled = _pool_c128_event_streaming(state_ptr, input_ptr, ape_ptr, event_ragged,
                                                         event_buffer_len, event_page1, d, HEAD_DIM, BLOCK_W,
-                                                        BLOCK_D, STAGES)
+                                                        BLOCK_D, STAGES, ROW_GROUPS)
                 tl.store(out_ptr + row * D + d, cast_rne(pooled, out_dtype))
 
     # ------------------------------------------------------------------ prefill, pass 2
@@ -554,7 +608,8 @@ C4_CHANNELS_FASTEST = {512: True, 128: False}
 #: the H200's 16K and 24K (the H100 is even at 16K).
 C4_LARGE = {512: None, 128: (20480, (4, 64, 2), (2, 4), True)}
 #: ratio-128 pooling, whole window in registers (``C128_STREAM_STAGES`` 0): (window rows per tile,
-#: channels per program, plan rows read per vector, warps)
+#: channels per program, plan rows read per vector, warps); the tile-by-tile tiles below may add a
+#: fifth field, row groups (``c128_tile``)
 C128_TILE = (32, 32, 32, 4)
 #: ratio-128 pooling: 0 keeps the whole window in registers (``C128_TILE``); > 0 pools tile by tile
 #: with an online softmax, this many tiles in flight, with ``C128_STREAM_TILE`` (same fields as
@@ -660,6 +715,19 @@ def c128_launches(head_dim: int, plan_rows) -> list:
     return _split_by_plan_rows(plan_rows, min_rows, default, (tile, stages))
 
 
+def c128_tile(tile: tuple) -> tuple:
+    """A ratio-128 pooling tile with all five fields: (window rows per tile, channels per program, plan
+    rows read per vector, warps, row groups). The row groups (``_stream_c128_row_groups``; 1 where the
+    tile gives four fields) apply to the tile-by-tile pool only: the window's rows in that many groups
+    of consecutive rows, one online softmax each, as many warps per window's channels as groups when
+    the tile's warps equal them."""
+    rows, channels, chunk, warps, *rest = tile
+    groups = rest[0] if rest else 1
+    if rows * groups > 128 or 128 % (rows * groups):
+        raise ValueError(f"ratio-128 tile {tile}: rows x row groups must divide the window's 128 rows")
+    return rows, channels, chunk, warps, groups
+
+
 def decode_warps(ratio: int, head_dim: int) -> int:
     """Warps per program of the decode kernel (``DECODE_WARPS``)."""
     return DECODE_WARPS[4][c4_key(head_dim)] if ratio == 4 else DECODE_WARPS[ratio]
@@ -699,12 +767,13 @@ def compress_forward(kv_score_buffer, kv_score_input, ape, plan, write_plan, out
             )
     else:
         programs = cdiv(plan.shape[0], C128_ROWS_PER_PROGRAM)
-        for share, (rows, channels, chunk, warps), stages in c128_launches(head_dim, plan.shape[0]):
+        for share, tile, stages in c128_launches(head_dim, plan.shape[0]):
+            rows, channels, chunk, warps, groups = c128_tile(tile)
             channels = _channel_block(head_dim, channels)
             launch(_pool_c128_kernel)[(programs * (head_dim // channels) * share,)](
                 kv_score_buffer, kv_score_input, ape, words, out, plan.shape[0], num_rows, num_inputs, programs,
                 HEAD_DIM=head_dim, BLOCK_W=rows, BLOCK_D=channels, CHUNK=chunk, CHANNELS_FASTEST=CHANNELS_FASTEST,
-                STAGES=stages, num_warps=warps,
+                STAGES=stages, ROW_GROUPS=groups if stages else 1, num_warps=warps,
             )
     block_r, block_c = WRITE_TILE
     programs = torch.sym_min(cdiv(write_plan.shape[0], block_r), WRITE_PROGRAMS)
