@@ -102,6 +102,8 @@ def copy_bandwidth() -> float:
 
 #: --groups: the sweep times only the groups whose name this pattern matches (``re.search``)
 SWEEP_GROUPS = None
+#: --tokens: the sweep's prefill groups at these token counts (32 requests), every group at each
+SWEEP_TOKENS = None
 DRY_RUN = False  # --dry-run: tiny shapes on the CPU, every timed call run once (checks the script, times nothing)
 
 
@@ -604,13 +606,13 @@ def _select(configs, batches, tokens):
     """Narrow the prefill and decode grids (``--configs``, ``--batches``, ``--tokens``), e.g. to spend
     a short device call on the rows a previous run did not reach; the sweep takes ``--configs`` too,
     the whole step keeps its shapes. ``--quick`` then thins what is left."""
-    global GRID_CONFIGS, DECODE_BATCHES, PREFILL_TOKENS
+    global GRID_CONFIGS, DECODE_BATCHES, PREFILL_TOKENS, SWEEP_TOKENS
     if configs:
         GRID_CONFIGS = tuple(configs)
     if batches:
         DECODE_BATCHES = tuple(batches)
     if tokens:
-        PREFILL_TOKENS = tuple(tokens)
+        PREFILL_TOKENS = SWEEP_TOKENS = tuple(tokens)
 
 
 def main(argv=None):
@@ -625,7 +627,9 @@ def main(argv=None):
     parser.add_argument("--device-name", default="NVIDIA H200", help="plot title with --replot")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="only these compressor configs")
     parser.add_argument("--batches", nargs="+", type=int, help=f"decode batch sizes (default {DECODE_BATCHES})")
-    parser.add_argument("--tokens", nargs="+", type=int, help=f"prefill token counts (default {PREFILL_TOKENS})")
+    parser.add_argument("--tokens", nargs="+", type=int,
+                        help=f"prefill token counts (default {PREFILL_TOKENS}); for the sweep, its prefill groups "
+                             "at these counts with 32 requests instead of its own cases")
     parser.add_argument("--groups", metavar="REGEX",
                         help="sweep only the groups whose name matches, e.g. 'pipelined' or '^store'")
     args = parser.parse_args(argv)

@@ -44,7 +44,14 @@ SWEEP_C128_STREAM = [((16, 32, 64, 2), 3), ((16, 64, 32, 4), 2), ((16, 64, 32, 4
                      # reductions over rows need no shuffle at all: 0.50-0.56 warp-instructions per tile
                      # element in the fast loop's SASS against 1.09 for the default (4-row tiles: 128-133
                      # registers, 7-11 programs per SM; 8-row tiles: 202-212, 5-9; no spills)
-                     ((4, 128, 32, 1), 3), ((4, 128, 32, 1), 4), ((8, 128, 32, 1), 3), ((8, 128, 32, 1), 2)]
+                     ((4, 128, 32, 1), 3), ((4, 128, 32, 1), 4), ((8, 128, 32, 1), 3), ((8, 128, 32, 1), 2),
+                     # one warp across 128 channels for each group of the window's rows (a fifth field,
+                     # ``c128_tile``): the same 0.55-0.66 instructions per element, and 2-4 warps per
+                     # window's channels, for plans whose windows are too few to give every SM enough
+                     # warps (16K tokens: 512 warps of one; 4K: 128). Only tiles that spill neither
+                     # fp32 nor bf16 in either grid order
+                     ((2, 128, 32, 2, 2), 4), ((2, 128, 32, 2, 2), 6), ((4, 128, 32, 4, 4), 2),
+                     ((2, 128, 32, 4, 4), 3)]
 #: ratio-4 pooling with row blocks in a pipelined loop (``C4_STREAM`` stages > 0): ((events,
 #: channels, warps), row blocks per program, stages), rows-fastest grid; the one-block kernel
 #: (stages 0) at ``SWEEP_C4_ONE_BLOCK``'s tile is the first candidate, to compare against
@@ -185,6 +192,8 @@ def _candidates(grid):
         c4_streams_fastest=SWEEP_C4_STREAM_CHANNELS_FASTEST, block_ds=SWEEP_DECODE_BLOCK_D, warps=SWEEP_C4_WARPS,
         write_tiles=SWEEP_WRITE_TILE, decode_warps=SWEEP_C128_DECODE_WARPS, c4_decode_warps=SWEEP_C4_DECODE_WARPS,
         c4_decode_batches=(1, grid.STEP_BATCH, 512))
+    if grid.SWEEP_TOKENS:  # --tokens: every prefill group at these sizes
+        c.cases = tuple((tokens, 32) for tokens in grid.SWEEP_TOKENS)
     if grid.DRY_RUN:  # tiny shapes and two candidates each: every code path once, under the interpreter
         c.cases = ((grid.PREFILL_TOKENS[0], 32),)
         c.store_tokens = (grid.PREFILL_TOKENS[0],)
@@ -203,7 +212,7 @@ def _sweep_prefill(grid, c):
     128, and (32 requests) the store's row blocks."""
     for config in grid.GRID_CONFIGS:
         for tokens, requests in c.cases:
-            large = tokens > 16384
+            large = tokens > 16384 and not grid.SWEEP_TOKENS  # sizes asked for get every group
             if large and grid.CONFIGS[config][0] != 4:
                 continue
             shape = f"{config} {tokens} tok / {requests} req"

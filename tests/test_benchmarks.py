@@ -260,3 +260,29 @@ def test_sweep_skips_the_setups_of_unmatched_groups(monkeypatch):
     candidates = sweep._candidates(grid)
     sweep._sweep_prefill(grid, candidates)
     sweep._sweep_store(grid, candidates)
+
+
+def test_sweep_tokens_set_the_prefill_cases(monkeypatch):
+    """``--tokens`` gives the sweep's prefill groups those sizes (32 requests each), ratio 128's
+    streaming group included above 16K tokens, where the sweep's own cases time ratio 4 alone."""
+    import re
+
+    from benchmarks import run as grid
+    from benchmarks import sweep
+
+    for name in ("PREFILL_TOKENS", "SWEEP_TOKENS"):  # restored after the test
+        monkeypatch.setattr(grid, name, getattr(grid, name))
+    grid._select(None, None, [8192, 32768])
+    assert grid.SWEEP_TOKENS == (8192, 32768)
+    assert sweep._candidates(grid).cases == ((8192, 32), (32768, 32))
+    shapes = []
+
+    def record_setup(config, tokens, requests, prefix):
+        shapes.append((config, tokens, requests))
+        raise StopIteration  # the shape was reached; nothing to time here
+
+    monkeypatch.setattr(grid, "SWEEP_GROUPS", re.compile("^streaming, prefill c128-main 32768"))
+    monkeypatch.setattr(grid, "prefill_setup", record_setup)
+    with pytest.raises(StopIteration):
+        sweep._sweep_prefill(grid, sweep._candidates(grid))
+    assert shapes == [("c128-main", 32768, 32)]
