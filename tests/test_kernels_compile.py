@@ -105,7 +105,7 @@ def test_variant_compress_kernels(ratio, head_dim, state, inp, out, channels_fas
     else:
         # the whole-window path, the streaming one (online softmax, pipelined tile loop) at the
         # default stage count, the large plans' tile (C128_LARGE), and, where 128 channels divide D,
-        # the streaming pool in row groups, one warp each (the sweep's ROW_GROUPS_TILE)
+        # the streaming pool in row groups, one warp each (ROW_GROUPS_TILE above)
         streaming = (ck.C128_STREAM_STAGES or 2, ck.C128_STREAM_TILE)
         _, large_tile, large_stages = ck.c128_launches(head_dim, 1 << 30)[0]  # what a large plan takes
         large = [(large_stages, large_tile)] if (large_stages, large_tile) != streaming else []

@@ -427,12 +427,15 @@ if HAVE_TRITON:
         """``_stream_c128_window`` over ``ROW_GROUPS`` groups of the window's rows at once, each group
         ``128 / ROW_GROUPS`` consecutive rows with its own running max and sums, combined once at the end.
 
-        Tiles are ``[BLOCK_W, ROW_GROUPS, BLOCK_D]``: element ``(r, h, c)`` of step ``s`` is window row
+        Tiles are ``[ROW_GROUPS, BLOCK_W, BLOCK_D]``: element ``(h, r, c)`` of step ``s`` is window row
         ``h * 128 / ROW_GROUPS + s * BLOCK_W + r``, channel ``d[c]``. Triton lays a program's warps along
-        the middle (groups) axis, so with ``ROW_GROUPS`` equal to the warps each warp pools its own rows:
-        the reductions over a tile's rows never cross warps (with a warp across 128 channels, not even
-        threads), and only the final combine does. A window's channels then take ``ROW_GROUPS`` warps
-        instead of one, for plans with too few windows to fill the GPU with one warp each."""
+        the leading (groups) axis (``warpsPerCTA [ROW_GROUPS, 1, 1]`` on sm_90; with the groups in the
+        middle axis it laid them along the rows), so with ``ROW_GROUPS`` equal to the warps each warp
+        pools its own rows: the reductions over a tile's rows never cross warps (with a warp across 128
+        channels, not even threads), and only the final combine does. A window's channels then take
+        ``ROW_GROUPS`` warps instead of one, for plans with too few windows to fill the GPU with one warp
+        each. One group keeps ``_stream_c128_window``'s 2-D loop, whose sm_90 code the GPU sessions
+        timed, rather than this loop with a size-1 axis."""
         D: tl.constexpr = HEAD_DIM
         WIDTH: tl.constexpr = 2 * HEAD_DIM
         GROUP_ROWS: tl.constexpr = 128 // ROW_GROUPS
