@@ -51,7 +51,10 @@ SWEEP_C128_STREAM = [((16, 32, 64, 2), 3), ((16, 64, 32, 4), 2), ((16, 64, 32, 4
                      # warps (16K tokens: 512 warps of one; 4K: 128). Only tiles that spill neither
                      # fp32 nor bf16 in either grid order
                      ((2, 128, 32, 2, 2), 4), ((2, 128, 32, 2, 2), 6), ((4, 128, 32, 4, 4), 2),
-                     ((2, 128, 32, 4, 4), 3)]
+                     ((2, 128, 32, 4, 4), 3),
+                     # narrower grouped tiles (fp32: no spills; 0.98-1.13 instructions per element, 7-10
+                     # programs per SM): more channel blocks, for the small plans
+                     ((4, 64, 32, 2, 2), 4), ((16, 16, 64, 2, 2), 3), ((8, 32, 128, 2, 2), 3)]
 #: ratio-4 pooling with row blocks in a pipelined loop (``C4_STREAM`` stages > 0): ((events,
 #: channels, warps), row blocks per program, stages), rows-fastest grid; the one-block kernel
 #: (stages 0) at ``SWEEP_C4_ONE_BLOCK``'s tile is the first candidate, to compare against
