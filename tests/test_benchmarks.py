@@ -5,6 +5,7 @@ on a broken script)."""
 
 from __future__ import annotations
 
+import ast
 import csv
 import io
 import math
@@ -286,3 +287,56 @@ def test_sweep_tokens_set_the_prefill_cases(monkeypatch):
     with pytest.raises(StopIteration):
         sweep._sweep_prefill(grid, sweep._candidates(grid))
     assert shapes == [("c128-main", 32768, 32)]
+
+
+def test_sweep_winners_write_kernels_variants(tmp_path, monkeypatch):
+    """``benchmarks.sweep_winners`` turns a ratio-128 sweep's winners into copies of kernels.py for
+    ``benchmarks.ab_compress``: a small-plan tile, a lower cut for ``C128_LARGE``, a new large tile;
+    nothing for a winner the working tree already runs, for the whole-window pool, or for plan rows
+    per program the large tile cannot take."""
+    pytest.importorskip("triton")
+    from benchmarks import sweep_winners
+    from benchmarks.ab_store import load_version
+    from dsv4ops.compress import kernels as ck
+
+    monkeypatch.setattr(ck, "C128_ROWS_PER_PROGRAM", 128)  # the GPU's value (the interpreter's is 1024)
+    monkeypatch.setattr(ck, "C128_STREAM_STAGES", 3)
+    monkeypatch.setattr(ck, "C128_STREAM_TILE", (16, 32, 128, 2))
+    monkeypatch.setattr(ck, "C128_LARGE", (16384, (4, 128, 32, 1), 4))
+
+    def best(tokens, label):
+        return f"best  streaming, prefill c128-main {tokens} tok / 32 req: {label}:    12.61 us"
+
+    def streaming(stages, tile, rpp=128):
+        return f"C128_STREAM_STAGES {stages} C128_STREAM_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}"
+
+    log = "\n".join([
+        "sweep streaming, prefill c128-main 2048 tok / 32 req: C128_STREAM_STAGES 0 (whole window):  9.0 us",
+        best(2048, "C128_STREAM_STAGES 0 (whole window)"),
+        best(4096, streaming(3, (16, 16, 64, 1))),
+        best(8192, streaming(4, (2, 128, 32, 2, 2))),
+        best(16384, streaming(4, (2, 128, 32, 2, 2))),
+        best(32768, streaming(4, (4, 128, 32, 1))),  # the current large tile: nothing to try
+        best(65536, streaming(3, (16, 32, 64, 2), 256)),
+    ])
+    source = open(ck.__file__).read()
+    out = sweep_winners.variants(sweep_winners.read_winners(log), source)
+    assert sorted(out) == ["variant-cut-8192.py", "variant-large-16384.py", "variant-small.py"]
+    expected = {
+        "variant-small.py": dict(C128_STREAM_STAGES=3, C128_STREAM_TILE=(16, 16, 64, 1), C128_ROWS_PER_PROGRAM=128,
+                                 C128_LARGE=(16384, (4, 128, 32, 1), 4)),
+        "variant-cut-8192.py": dict(C128_STREAM_TILE=(16, 32, 128, 2), C128_LARGE=(8192, (2, 128, 32, 2, 2), 4)),
+        "variant-large-16384.py": dict(C128_STREAM_TILE=(16, 32, 128, 2), C128_LARGE=(16384, (2, 128, 32, 2, 2), 4)),
+    }
+    for name, text in out.items():
+        (tmp_path / name).write_text(text)
+        load_version(str(tmp_path / name), f"compress_kernels_{name[:-3].replace('-', '_')}")  # it imports
+        # the module-level values as written (the interpreter's own plan rows per program overrides one)
+        written = {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse(text).body
+                   if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                   and node.targets[0].id.startswith("C128_")}
+        for constant, value in expected[name].items():
+            assert written[constant] == value, (name, constant)
+        # one line differs from the source per changed constant, nothing else
+        changed = [a for a, b in zip(source.splitlines(), text.splitlines()) if a != b]
+        assert 1 <= len(changed) <= 3 and len(source.splitlines()) == len(text.splitlines()), name
