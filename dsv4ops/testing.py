@@ -158,3 +158,33 @@ def fix_triton_interpreter() -> None:
 
     patched._dsv4ops_fixed = True
     interpreter._patch_lang_tensor = patched
+    _patch_language_once(interpreter)
+
+
+def _patch_language_once(interpreter) -> None:
+    """Make the interpreter's per-helper-call re-patching of ``triton.language`` a no-op when the
+    launch has patched it already (same results; the kernel tests run about a third faster).
+
+    A kernel launch patches ``triton.language`` (its builtins, ``tl.math``, ``tl.tensor``) for the
+    whole grid and restores it at the end. Triton 3.6 patches it again, with ``inspect.getmembers``
+    over each module, at every call of a ``@triton.jit`` helper inside the kernel, and never undoes
+    that nested patch (the launch's restore does). The helpers of a kernel see the same module
+    objects, so when every module named in the helper's globals is patched already, the nested
+    call has nothing to change: it gets an empty patch scope instead."""
+    original = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    tl = getattr(interpreter, "tl", None)
+    if original is None or scope_type is None or tl is None or getattr(original, "_dsv4ops_once", False):
+        return
+    is_builtin = tl.core.is_builtin
+
+    def patched_already(fn) -> bool:
+        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+        return (bool(langs) and all(not is_builtin(lang.load) for lang in langs)
+                and not is_builtin(tl.math.exp) and not is_builtin(tl.core.tensor.__add__))
+
+    def patch_lang(fn):
+        return scope_type() if patched_already(fn) else original(fn)
+
+    patch_lang._dsv4ops_once = True
+    interpreter._patch_lang = patch_lang
