@@ -112,6 +112,11 @@ def _using(*settings):
             swap(target, key, old)
 
 
+def c128_stream_label(stages: int, tile: tuple, rows_per_program: int) -> str:
+    """The label of a streaming ratio-128 candidate (``benchmarks.sweep_winners`` parses it back)."""
+    return f"C128_STREAM_STAGES {stages} C128_STREAM_TILE {tile} C128_ROWS_PER_PROGRAM {rows_per_program}"
+
+
 def _wanted(grid, *names) -> bool:
     """Whether ``--groups`` (``grid.SWEEP_GROUPS``) matches any of the group ``names``."""
     return grid.SWEEP_GROUPS is None or any(grid.SWEEP_GROUPS.search(name) for name in names)
@@ -268,7 +273,7 @@ def _sweep_prefill(grid, c):
             if r == 128:  # the whole window in registers, against tile-by-tile pooling (online softmax)
                 _sweep(grid, f"streaming, prefill {shape}", nbytes, run,
                        [("C128_STREAM_STAGES 0 (whole window)", [(ck, "C128_STREAM_STAGES", 0)])]
-                       + [(f"C128_STREAM_STAGES {stages} C128_STREAM_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}",
+                       + [(c128_stream_label(stages, tile, rpp),
                            [(ck, "C128_STREAM_STAGES", stages), (ck, "C128_STREAM_TILE", tile),
                             (ck, "C128_ROWS_PER_PROGRAM", rpp)])
                           for (tile, stages), rpp in [(stream, c.rpps[0]) for stream in c.streams]

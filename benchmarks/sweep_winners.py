@@ -35,6 +35,7 @@ from typing import Dict, NamedTuple, Optional
 from dsv4ops.compress import kernels as ck
 
 BEST = re.compile(r"^best  streaming, prefill c128-main (\d+) tok / \d+ req: (.*?):\s+[\d.]+ us")
+#: ``sweep.c128_stream_label``'s format
 STREAMING = re.compile(r"^C128_STREAM_STAGES (\d+) C128_STREAM_TILE (\(.*?\)) C128_ROWS_PER_PROGRAM (\d+)$")
 
 

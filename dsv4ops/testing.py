@@ -141,7 +141,9 @@ def fix_triton_interpreter() -> None:
 
     Triton 3.6's interpreter turns a scalar into a Python int with ``int(array)``; NumPy >= 2.4
     refuses that for its shape-(1,) scalars, so a ``range`` with a run-time bound fails under
-    TRITON_INTERPRET=1. Convert the array's one element instead (same value)."""
+    TRITON_INTERPRET=1. Convert the array's one element instead (same value). Also skips the
+    interpreter's redundant re-patching of ``triton.language`` at each helper call
+    (``_patch_language_once``)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     try:

@@ -295,7 +295,7 @@ def test_sweep_winners_write_kernels_variants(tmp_path, monkeypatch):
     nothing for a winner the working tree already runs, for the whole-window pool, or for plan rows
     per program the large tile cannot take."""
     pytest.importorskip("triton")
-    from benchmarks import sweep_winners
+    from benchmarks import sweep, sweep_winners
     from benchmarks.ab_store import load_version
     from dsv4ops.compress import kernels as ck
 
@@ -307,8 +307,8 @@ def test_sweep_winners_write_kernels_variants(tmp_path, monkeypatch):
     def best(tokens, label):
         return f"best  streaming, prefill c128-main {tokens} tok / 32 req: {label}:    12.61 us"
 
-    def streaming(stages, tile, rpp=128):
-        return f"C128_STREAM_STAGES {stages} C128_STREAM_TILE {tile} C128_ROWS_PER_PROGRAM {rpp}"
+    def streaming(stages, tile, rpp=128):  # the sweep's own label, parsed back
+        return sweep.c128_stream_label(stages, tile, rpp)
 
     log = "\n".join([
         "sweep streaming, prefill c128-main 2048 tok / 32 req: C128_STREAM_STAGES 0 (whole window):  9.0 us",
